@@ -1,0 +1,1 @@
+"""Helpers shared by users, tests and benchmarks: checkpoints made locally."""
