@@ -1,0 +1,340 @@
+"""The device runtime contract (DESIGN.md section 5), on the thread and inline
+backends. Synchronisation uses Events and Barriers only: no timing asserts."""
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from vllm_neuron_sched.runtime import (
+    Device,
+    DeviceExecutionError,
+    DeviceFuture,
+    InlineDevice,
+    Materializer,
+    ThreadDevice,
+    make_device,
+)
+
+WAIT_S = 10.0  # upper bound for Event waits, only reached when a test fails
+
+
+@pytest.fixture
+def new_device() -> Iterator[Callable[..., Device]]:
+    """Builds devices and shuts them all down after the test."""
+    devices: list[Device] = []
+
+    def build(kind: str, sim_device_ms: float = 0.0, name: str = "dev") -> Device:
+        device = make_device(kind, sim_device_ms, name)
+        devices.append(device)
+        return device
+
+    yield build
+    for device in devices:
+        device.shutdown(wait=True)
+
+
+def _raise_boom() -> None:
+    raise ValueError("boom")
+
+
+def _blocked_until(gate: threading.Event, started: threading.Event, value=1):
+    """An execution that holds the device until the test opens ``gate``."""
+
+    def run() -> object:
+        started.set()
+        assert gate.wait(WAIT_S)
+        return value
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_executions_run_in_enqueue_order(kind, new_device):
+    device = new_device(kind)
+    order: list[int] = []
+
+    def record(i: int) -> int:
+        time.sleep(0.001 * (i % 3))
+        order.append(i)
+        return i
+
+    futures = [device.enqueue(record, i) for i in range(100)]
+    device.synchronize()
+    assert order == list(range(100))
+    assert [f.result() for f in futures] == list(range(100))
+    assert device.stats()["executions"] == 100
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_nested_future_inputs_are_resolved(kind, new_device):
+    device = new_device(kind)
+    one = device.enqueue(lambda: 1)
+    pair = device.enqueue(lambda: {"x": 2, "y": (3, 4)})
+    host_buffer = [0]
+
+    def combine(items, host, *, named):
+        host.append(5)  # a container without futures arrives as the same object
+        return items, named
+
+    out = device.enqueue(
+        combine, [one, (pair.select("x"),)], host_buffer, named={"k": [one]}
+    )
+    assert out.result() == ([1, (2,)], {"k": [1]})
+    assert host_buffer == [0, 5]
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_select_derives_without_extra_execution(kind, new_device):
+    device = new_device(kind)
+    out = device.enqueue(lambda: ((10, 20), {"logits": "L"}))
+    assert out.select(0).select(1).result() == 20
+    assert out.select(1).select("logits").result() == "L"
+    assert device.stats()["executions"] == 1
+    with pytest.raises(DeviceExecutionError) as info:
+        out.select(5).result()
+    assert isinstance(info.value.__cause__, IndexError)
+
+
+def test_completed_future():
+    future = DeviceFuture.completed([1, 2])
+    assert future.done()
+    assert future.result() == [1, 2]
+    assert future.select(1).result() == 2
+
+
+def test_result_timeout_on_pending_future(new_device):
+    device = new_device("thread")
+    gate, started = threading.Event(), threading.Event()
+    future = device.enqueue(_blocked_until(gate, started))
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.01)
+    gate.set()
+    assert future.result() == 1
+
+
+def test_chain_runs_on_device_thread_without_host_read(new_device):
+    device = new_device("thread", name="chain")
+    gate, started = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def first() -> int:
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert gate.wait(WAIT_S)
+        return 1
+
+    def step(x: int) -> int:
+        threads.append(threading.current_thread().name)
+        return x + 1
+
+    head = device.enqueue(first)
+    assert started.wait(WAIT_S)
+    tail = head
+    for _ in range(3):  # enqueue returns while `first` still holds the device
+        tail = device.enqueue(step, tail)
+    assert not head.done() and not tail.done()
+    gate.set()
+    assert tail.result() == 4
+    assert threads == ["chain-thread"] * 4
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_error_surfaces_at_result_with_device_traceback(kind, new_device):
+    device = new_device(kind)
+    future = device.enqueue(_raise_boom)  # enqueue itself does not raise
+    with pytest.raises(DeviceExecutionError, match="boom") as info:
+        future.result()
+    assert isinstance(info.value, RuntimeError)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "_raise_boom" in "".join(traceback.format_exception(info.value))
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_dependent_fails_and_unrelated_succeeds(kind, new_device):
+    device = new_device(kind)
+    ran: list[str] = []
+    failed = device.enqueue(_raise_boom)
+    dependent = device.enqueue(lambda x: ran.append("dependent"), [failed])
+    selected = failed.select(0)
+    unrelated = device.enqueue(lambda: ran.append("unrelated") or 7)
+    with pytest.raises(DeviceExecutionError, match="upstream") as info:
+        dependent.result()
+    assert "_raise_boom" in "".join(traceback.format_exception(info.value))
+    with pytest.raises(DeviceExecutionError, match="boom"):
+        selected.result()
+    assert unrelated.result() == 7
+    assert ran == ["unrelated"]
+
+
+def test_materializer_runs_once_under_racing_readers():
+    calls = []
+    started, release = threading.Event(), threading.Event()
+    barrier = threading.Barrier(2)
+
+    def copy_to_host() -> list[int]:
+        calls.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(WAIT_S)
+        return [1, 2, 3]
+
+    cell = Materializer(copy_to_host)
+    results: dict[str, list[int]] = {}
+
+    def reader() -> None:
+        barrier.wait(WAIT_S)
+        results[threading.current_thread().name] = cell.get()
+
+    readers = [threading.Thread(target=reader, name=f"r{i}") for i in range(2)]
+    for thread in readers:
+        thread.start()
+    assert started.wait(WAIT_S)
+    assert not cell.is_materialized()
+    release.set()
+    for thread in readers:
+        thread.join(WAIT_S)
+    assert len(calls) == 1
+    assert results["r0"] is results["r1"] == [1, 2, 3]
+    assert cell.is_materialized()
+    assert cell.get() is results["r0"]
+
+
+def test_materializer_shares_its_exception():
+    calls = []
+
+    def fail() -> None:
+        calls.append(1)
+        raise ValueError("copy failed")
+
+    cell = Materializer(fail)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(ValueError) as info:
+            cell.get()
+        errors.append(info.value)
+    assert calls == [1]
+    assert errors[0] is errors[1]
+    assert cell.is_materialized()
+
+
+def test_shutdown_wait_completes_work_in_flight(new_device):
+    device = new_device("thread")
+    gate, started = threading.Event(), threading.Event()
+    futures = [device.enqueue(_blocked_until(gate, started))]
+    futures += [device.enqueue(lambda i=i: i) for i in range(5)]
+    assert started.wait(WAIT_S)
+    stopper = threading.Thread(target=device.shutdown, kwargs={"wait": True})
+    stopper.start()
+    gate.set()
+    stopper.join(WAIT_S)
+    assert not stopper.is_alive()
+    assert [f.result(timeout=0) for f in futures] == [1, 0, 1, 2, 3, 4]
+    device.shutdown()  # idempotent
+
+
+def test_shutdown_nowait_fails_pending_futures(new_device):
+    device = new_device("thread")
+    gate, started = threading.Event(), threading.Event()
+    ran: list[int] = []
+    running = device.enqueue(_blocked_until(gate, started))
+    queued = device.enqueue(lambda: ran.append(1))
+    assert started.wait(WAIT_S)
+    device.shutdown(wait=False)  # returns although `running` holds the device
+    for future in (running, queued):
+        with pytest.raises(DeviceExecutionError, match="shut down"):
+            future.result()
+    device.synchronize()  # nothing left to wait for
+    gate.set()
+    device.shutdown(wait=True)
+    assert ran == []
+
+
+@pytest.mark.parametrize("kind", ["thread", "inline"])
+def test_enqueue_after_shutdown_raises(kind, new_device):
+    device = new_device(kind)
+    device.shutdown()
+    device.shutdown(wait=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        device.enqueue(lambda: 1)
+
+
+def test_sim_latency_holds_device_while_host_progresses(new_device, monkeypatch):
+    num_executions, sim_ms = 3, 20.0
+    device = new_device("thread", sim_device_ms=sim_ms)
+    holding, host_done = threading.Event(), threading.Event()
+    hold = device._hold_and_record
+    seen_during_hold: list[tuple[str, bool]] = []
+
+    def observed_hold(start: float) -> None:
+        if not holding.is_set():
+            holding.set()
+            assert host_done.wait(WAIT_S)
+        hold(start)
+
+    monkeypatch.setattr(device, "_hold_and_record", observed_hold)
+    futures = [device.enqueue(lambda i=i: i) for i in range(num_executions)]
+    assert holding.wait(WAIT_S)
+    count = 0
+    for _ in range(100_000):  # the host runs while the device is held
+        count += 1
+    seen_during_hold.append((threading.current_thread().name, futures[0].done()))
+    host_done.set()
+    assert [f.result() for f in futures] == list(range(num_executions))
+    assert count == 100_000
+    assert seen_during_hold == [("MainThread", False)]
+    stats = device.stats()
+    assert stats["executions"] == num_executions
+    assert stats["busy_s"] >= num_executions * sim_ms / 1000
+    assert device.busy_time_s == stats["busy_s"]
+
+
+def test_inline_runs_at_enqueue_on_caller_thread(new_device):
+    device = new_device("inline", sim_device_ms=1.0)
+    callers: list[threading.Thread] = []
+    future = device.enqueue(lambda: callers.append(threading.current_thread()))
+    assert future.done()
+    assert callers == [threading.current_thread()]
+    assert device.stats()["busy_s"] >= 0.001
+
+
+def test_thread_backend_names_its_daemon_thread(new_device):
+    device = new_device("thread", name="worker0")
+    thread = device.enqueue(threading.current_thread).result()
+    assert thread.name == "worker0-thread"
+    assert thread.daemon
+    assert thread is not threading.current_thread()
+
+
+def test_neuron_without_torch_neuronx_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # import fails
+    with pytest.raises(RuntimeError, match="pip install torch-neuronx"):
+        make_device("neuron")
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "neuron")
+    with pytest.raises(RuntimeError, match="torch-neuronx"):
+        make_device()
+
+
+def test_unknown_kind_lists_valid_kinds():
+    with pytest.raises(ValueError, match="thread, inline, neuron"):
+        make_device("cuda")
+
+
+def test_envs_select_backend_and_latency(monkeypatch, new_device):
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "inline")
+    monkeypatch.setenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", "2.5")
+    device = make_device()
+    assert isinstance(device, InlineDevice)
+    assert device.name == "inline"
+    assert device.sim_device_s == pytest.approx(0.0025)
+    monkeypatch.delenv("VLLM_NEURON_SCHED_DEVICE")
+    monkeypatch.delenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS")
+    device = make_device(name="envs")
+    try:
+        assert isinstance(device, ThreadDevice)
+        assert device.name == "thread"
+        assert device.sim_device_s == 0.0
+    finally:
+        device.shutdown()

@@ -1,0 +1,96 @@
+"""Static-shape limits a request must fit, checked where it enters.
+
+Shared by the platform (front end: a bad request gets a clear 400) and the
+schedulers (a request that reached the engine anyway is finished with an error
+instead of waiting forever). Pure policy: no tensors, no threads.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_neuron_sched import envs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True, order=True)
+class PoolingShape:
+    """One compiled pooling graph: prompts up to ``prompt_len``, ``batch_size`` rows."""
+
+    prompt_len: int
+    batch_size: int
+
+
+def parse_pooling_shapes(
+    spec: str, max_model_len: int, max_num_seqs: int
+) -> tuple[PoolingShape, ...]:
+    """Parse ``"64x8,256x2"``; empty means one shape, the model's limits."""
+    if not spec.strip():
+        return (PoolingShape(max_model_len, max_num_seqs),)
+    shapes = []
+    for item in spec.split(","):
+        try:
+            prompt_len, batch_size = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(
+                f"VLLM_NEURON_SCHED_POOLING_SHAPES: {item!r} is not "
+                "PROMPT_LENxBATCH (e.g. '64x8,256x2')"
+            ) from None
+        if prompt_len <= 0 or batch_size <= 0 or prompt_len > max_model_len:
+            raise ValueError(
+                f"VLLM_NEURON_SCHED_POOLING_SHAPES: shape {item!r} needs "
+                f"0 < prompt_len <= max_model_len ({max_model_len}) and batch > 0"
+            )
+        shapes.append(PoolingShape(prompt_len, batch_size))
+    return tuple(sorted(shapes))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_model_len: int
+    # Decode batch size * worst-case tkv must stay under this.
+    max_batch_tkv_limit: int
+    # Static pooling shapes; None for generation models.
+    pooling_shapes: tuple[PoolingShape, ...] | None = None
+
+    @classmethod
+    def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
+        max_model_len = vllm_config.model_config.max_model_len
+        max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        tkv_limit = envs.VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT
+        if tkv_limit <= 0:
+            tkv_limit = max_num_seqs * max_model_len
+        shapes = None
+        if vllm_config.model_config.runner_type == "pooling":
+            shapes = parse_pooling_shapes(
+                envs.VLLM_NEURON_SCHED_POOLING_SHAPES, max_model_len, max_num_seqs
+            )
+        return cls(max_model_len, tkv_limit, shapes)
+
+    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
+        """Why a request can never run, or None if some batch can take it."""
+        if self.pooling_shapes is not None:
+            longest = self.pooling_shapes[-1].prompt_len
+            if num_prompt_tokens > longest:
+                return (
+                    f"prompt has {num_prompt_tokens} tokens but the longest "
+                    f"static pooling shape takes {longest} "
+                    "(VLLM_NEURON_SCHED_POOLING_SHAPES)"
+                )
+            return None
+        volume = num_prompt_tokens + (max_tokens or 1)
+        if volume > self.max_batch_tkv_limit:
+            return (
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                f"= {volume} exceeds the decode batch tkv limit "
+                f"{self.max_batch_tkv_limit} "
+                "(VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT)"
+            )
+        return None
+
+    def fits_pooling_shape(self, num_prompt_tokens: int, batch_size: int) -> bool:
+        return any(
+            num_prompt_tokens <= s.prompt_len and batch_size <= s.batch_size
+            for s in self.pooling_shapes or ()
+        )

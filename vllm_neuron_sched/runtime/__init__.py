@@ -1,0 +1,28 @@
+"""Device runtime: the contract of an accelerator without streams (AWS Neuron
+async mode), reproduced on CPU. See DESIGN.md section 5."""
+
+from vllm_neuron_sched.runtime.backends import (
+    InlineDevice,
+    NeuronDevice,
+    ThreadDevice,
+    make_device,
+)
+from vllm_neuron_sched.runtime.device import Device
+from vllm_neuron_sched.runtime.future import (
+    DeviceExecutionError,
+    DeviceFuture,
+    DeviceShutdownError,
+)
+from vllm_neuron_sched.runtime.materializer import Materializer
+
+__all__ = [
+    "Device",
+    "DeviceExecutionError",
+    "DeviceFuture",
+    "DeviceShutdownError",
+    "InlineDevice",
+    "Materializer",
+    "NeuronDevice",
+    "ThreadDevice",
+    "make_device",
+]

@@ -1,0 +1,158 @@
+"""Device backends (thread, inline, neuron) and ``make_device``, which picks one."""
+
+import importlib
+import queue
+import threading
+
+from vllm.logger import init_logger
+
+from vllm_neuron_sched import envs
+from vllm_neuron_sched.runtime.device import Device, Execution
+from vllm_neuron_sched.runtime.future import DeviceFuture, DeviceShutdownError
+
+logger = init_logger(__name__)
+
+_STOP = object()  # queue sentinel: the device thread exits
+
+
+class ThreadDevice(Device):
+    """One daemon device thread runs executions FIFO, so enqueue never waits.
+
+    No lock is held while an execution runs: torch releases the GIL inside its
+    kernels, so the host thread keeps scheduling while the device computes.
+    """
+
+    name = "thread"
+
+    def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
+        super().__init__(label, sim_device_ms)
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the two fields below
+        self._is_shut_down = False
+        self._unfinished: set[DeviceFuture[object]] = set()
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(
+            target=self._run_loop, name=f"{label}-thread", daemon=True
+        )
+        self._thread.start()
+
+    def synchronize(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("synchronize() from the device thread would deadlock")
+        with self._idle:
+            self._idle.wait_for(lambda: not self._unfinished)
+
+    def shutdown(self, wait: bool = True) -> None:
+        abandoned: list[DeviceFuture[object]] = []
+        with self._lock:
+            if not self._is_shut_down:
+                self._is_shut_down = True
+                self._queue.put(_STOP)
+            if not wait:
+                abandoned = list(self._unfinished)
+                self._unfinished.clear()
+                self._idle.notify_all()
+        for future in abandoned:
+            future._set_exception(
+                DeviceShutdownError(
+                    f"device {self.label!r} shut down before this execution completed"
+                )
+            )
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _submit(self, execution: Execution) -> None:
+        with self._lock:
+            if self._is_shut_down:
+                raise DeviceShutdownError(f"device {self.label!r} is shut down")
+            self._unfinished.add(execution.future)
+            self._queue.put(execution)
+
+    def _run_loop(self) -> None:
+        while (execution := self._queue.get()) is not _STOP:
+            assert isinstance(execution, Execution)
+            if not execution.future.done():  # done = abandoned by shutdown
+                try:
+                    self._execute(execution)
+                except BaseException as exc:  # keep the device thread alive
+                    execution.future._set_exception(exc)
+            with self._lock:
+                self._unfinished.discard(execution.future)
+                if not self._unfinished:
+                    self._idle.notify_all()
+        logger.debug("Device thread %s exits", self._thread.name)
+
+
+class InlineDevice(Device):
+    """Runs each execution at enqueue time on the caller thread: the synchronous
+    baseline. Errors still surface only at ``result()``, as on a real device."""
+
+    name = "inline"
+
+    def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
+        super().__init__(label, sim_device_ms)
+        self._lock = threading.Lock()  # one execution at a time across callers
+        self._is_shut_down = False
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: each execution completed inside its enqueue."""
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._is_shut_down = True
+
+    def _submit(self, execution: Execution) -> None:
+        if self._is_shut_down:
+            raise DeviceShutdownError(f"device {self.label!r} is shut down")
+        with self._lock:
+            self._execute(execution)
+
+
+class NeuronDevice(ThreadDevice):
+    """AWS Neuron via torch-neuronx, imported only when this backend is chosen.
+
+    torch-neuronx's async mode already returns future tensors from compiled
+    graph calls, so this adapter adds nothing to ThreadDevice's contract: its
+    device thread orders executions and carries errors back. Untested here
+    (needs Neuron hardware and SDK).
+    """
+
+    name = "neuron"
+
+    def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
+        try:
+            importlib.import_module("torch_neuronx")
+        except ImportError as exc:
+            raise RuntimeError(
+                "VLLM_NEURON_SCHED_DEVICE=neuron needs torch-neuronx: "
+                "`pip install torch-neuronx` (with the AWS Neuron SDK), or choose "
+                "VLLM_NEURON_SCHED_DEVICE=thread|inline"
+            ) from exc
+        super().__init__(label, sim_device_ms)
+
+
+_BACKENDS: dict[str, type[Device]] = {
+    "thread": ThreadDevice,
+    "inline": InlineDevice,
+    "neuron": NeuronDevice,
+}
+
+
+def make_device(
+    kind: str | None = None, sim_device_ms: float | None = None, name: str = "device"
+) -> Device:
+    """The device a worker runs on; unset arguments come from ``envs``
+    (VLLM_NEURON_SCHED_DEVICE, VLLM_NEURON_SCHED_SIM_DEVICE_MS)."""
+    kind = (kind or envs.VLLM_NEURON_SCHED_DEVICE).lower()
+    if sim_device_ms is None:
+        sim_device_ms = envs.VLLM_NEURON_SCHED_SIM_DEVICE_MS
+    backend = _BACKENDS.get(kind)
+    if backend is None:
+        raise ValueError(
+            f"unknown device kind {kind!r}; valid kinds: {', '.join(_BACKENDS)}"
+        )
+    if sim_device_ms < 0:
+        raise ValueError(f"sim_device_ms must be >= 0, got {sim_device_ms}")
+    logger.debug(
+        "Device %r: %s backend, simulated latency %.1f ms", name, kind, sim_device_ms
+    )
+    return backend(name, sim_device_ms)

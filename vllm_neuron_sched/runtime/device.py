@@ -1,0 +1,114 @@
+"""The device contract shared by every backend: ordered executions, futures out."""
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from vllm.logger import init_logger
+
+from vllm_neuron_sched.runtime.future import (
+    DeviceExecutionError,
+    DeviceFuture,
+    resolve_futures,
+)
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Execution:
+    """One enqueued call and the future its output goes to."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]  # may hold DeviceFutures, nested in list/tuple/dict
+    kwargs: dict[str, Any]  # same
+    future: DeviceFuture[Any]
+
+
+class Device(ABC):
+    """An accelerator without streams (AWS Neuron async mode), as the host sees it.
+
+    Executions run one at a time in enqueue order, each after its input futures
+    resolve; outputs are futures, and a failure surfaces at their ``result()``.
+    """
+
+    name: str = "device"  # backend kind: "thread" | "inline" | "neuron"
+
+    def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
+        self.label = label  # names the device thread and log lines
+        self.sim_device_s = sim_device_ms / 1000.0
+        self._stats_lock = threading.Lock()
+        self._num_executions = 0
+        self._busy_s = 0.0
+
+    def enqueue(
+        self, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> DeviceFuture[T]:
+        """Queues ``fn(*args, **kwargs)``; futures among the inputs are replaced
+        by their results on the device side, never by a host read here."""
+        fn_name = getattr(fn, "__qualname__", repr(fn))
+        future: DeviceFuture[T] = DeviceFuture(f"{self.label}:{fn_name}")
+        self._submit(Execution(fn, args, kwargs, future))
+        return future
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Waits until every execution enqueued so far has completed."""
+
+    @abstractmethod
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the device (idempotent). wait=True completes queued work;
+        wait=False fails unfinished futures with DeviceShutdownError."""
+
+    @abstractmethod
+    def _submit(self, execution: Execution) -> None:
+        """Hands one execution to the backend; raises if shut down."""
+
+    @property
+    def busy_time_s(self) -> float:
+        """Seconds spent executing: fn time plus simulated latency."""
+        with self._stats_lock:
+            return self._busy_s
+
+    def stats(self) -> dict[str, float]:
+        """Measured device time, for the benchmark's per-step accounting."""
+        with self._stats_lock:
+            return {"executions": self._num_executions, "busy_s": self._busy_s}
+
+    def _execute(self, execution: Execution) -> None:
+        """Runs one execution on the calling thread and completes its future;
+        an exception goes into the future, never up the device thread."""
+        future = execution.future
+        try:
+            args = resolve_futures(execution.args)
+            kwargs = resolve_futures(execution.kwargs)
+        except DeviceExecutionError as upstream:
+            error = DeviceExecutionError(f"an input of {future._label} failed upstream")
+            error.__cause__ = upstream
+            future._set_exception(error)
+            return
+        start = time.perf_counter()
+        try:
+            value = execution.fn(*args, **kwargs)
+        except Exception as exc:
+            logger.debug("Device %s: %s raised %r", self.label, future._label, exc)
+            self._hold_and_record(start)
+            future._set_exception(exc)
+        else:
+            self._hold_and_record(start)
+            future._set_result(value)
+
+    def _hold_and_record(self, start: float) -> None:
+        """Simulated latency: the device stays held (the output not ready)
+        without using a core, so overlap can be measured on CPU."""
+        if self.sim_device_s > 0:
+            time.sleep(self.sim_device_s)
+        busy_s = time.perf_counter() - start
+        with self._stats_lock:
+            self._num_executions += 1
+            self._busy_s += busy_s

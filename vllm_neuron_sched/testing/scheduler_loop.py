@@ -1,0 +1,242 @@
+"""Drive a scheduler through vLLM's two engine loops with a fake runner.
+
+``run_sync`` is ``EngineCore.step()``: schedule, execute, update.
+``run_batch_queue`` is ``EngineCore.step_with_batch_queue()`` at depth 2:
+step N+1 is scheduled before step N's output reaches ``update_from_output``.
+The fake runner samples a token that depends only on (request, output index),
+so both loops must deliver the same tokens whatever the schedule. Plugin authors
+can point it at their own scheduler classes.
+"""
+
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+
+def fake_token(request_id: str, index: int, vocab_size: int) -> int:
+    """The token a request samples as its ``index``-th output."""
+    return zlib.crc32(f"{request_id}/{index}".encode()) % vocab_size
+
+
+@dataclass
+class StepRecord:
+    """What one scheduled step held (the emulated device's view)."""
+
+    # req_id -> (position before the step, tokens scheduled)
+    scheduled: dict[str, tuple[int, int]]
+    is_prefill: dict[str, bool]
+    num_running: int
+    num_free_blocks: int
+
+
+@dataclass
+class FakeRunner:
+    """Turns a ``SchedulerOutput`` into the ``ModelRunnerOutput`` a runner would."""
+
+    vocab_size: int
+    # Forced tokens: (req_id, output index) -> token (EOS, stop tokens).
+    forced: dict[tuple[str, int], int] = field(default_factory=dict)
+    prompt_lens: dict[str, int] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def token(self, req_id: str, index: int) -> int:
+        forced = self.forced.get((req_id, index))
+        if forced is not None:
+            return forced
+        return fake_token(req_id, index, self.vocab_size)
+
+    def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
+        for new in so.scheduled_new_reqs:
+            self.prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
+            self.positions[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self.positions[req_id] = computed
+        req_ids, sampled = [], []
+        record = StepRecord({}, {}, len(scheduler.running), 0)
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            start = self.positions[req_id]
+            prompt_len = self.prompt_lens[req_id]
+            record.scheduled[req_id] = (start, num_tokens)
+            record.is_prefill[req_id] = start < prompt_len or req_id in (
+                cached.resumed_req_ids
+            )
+            end = start + num_tokens
+            self.positions[req_id] = end
+            req_ids.append(req_id)
+            # The step samples once its input reaches the end of the prompt.
+            sampled.append(
+                [self.token(req_id, end - prompt_len)] if end >= prompt_len else []
+            )
+        block_pool = scheduler.kv_cache_manager.block_pool
+        record.num_free_blocks = block_pool.get_num_free_blocks()
+        self.steps.append(record)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+
+@dataclass
+class LoopResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def collect(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        for eco in outputs.values():
+            for out in eco.outputs:
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    assert out.request_id not in self.finish_reasons, (
+                        f"{out.request_id} finished twice"
+                    )
+                    self.finish_reasons[out.request_id] = str(out.finish_reason)
+
+
+# Called before each schedule() with the step index: add or abort requests.
+Events = Callable[[int, Scheduler], None]
+
+
+def run_sync(
+    scheduler: Scheduler, runner: FakeRunner, events: Events, max_steps: int = 10_000
+) -> LoopResult:
+    result = LoopResult()
+    for step in range(max_steps):
+        events(step, scheduler)
+        if not scheduler.has_requests():
+            if step > runner_last_event(events):
+                break
+            continue
+        so = scheduler.schedule()
+        result.collect(scheduler.update_from_output(so, runner.execute(so, scheduler)))
+        result.num_steps += 1
+    return result
+
+
+def run_batch_queue(
+    scheduler: Scheduler,
+    runner: FakeRunner,
+    events: Events,
+    depth: int = 2,
+    max_steps: int = 10_000,
+) -> LoopResult:
+    """Schedule ahead while the queue has room, as the engine core does."""
+    result = LoopResult()
+    queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    for step in range(max_steps):
+        events(step, scheduler)
+        if scheduler.has_requests():
+            so = scheduler.schedule()
+            queue.appendleft((so, runner.execute(so, scheduler)))
+            executed = so.total_num_scheduled_tokens > 0
+            if len(queue) < depth and (executed or scheduler.has_requests()):
+                continue
+        elif not queue:
+            if step > runner_last_event(events):
+                break
+            continue
+        so, model_output = queue.pop()
+        result.collect(scheduler.update_from_output(so, model_output))
+        result.num_steps += 1
+    return result
+
+
+def runner_last_event(events: Events) -> int:
+    """Steps after which no event adds work (events expose ``last_step``)."""
+    return getattr(events, "last_step", -1)
+
+
+def make_request(
+    request_id: str,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    stop_token_ids: list[int] | None = None,
+    vocab_size: int = 1024,
+) -> Request:
+    from vllm.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, stop_token_ids=stop_token_ids or [], temperature=0.0
+    )
+    if eos_token_id is not None:
+        params.update_from_generation_config({}, eos_token_id)
+    prompt = [fake_token(request_id, -1 - i, vocab_size) for i in range(prompt_len)]
+    return Request(request_id, prompt, params, None)
+
+
+def build_scheduler(
+    scheduler_cls: type[Scheduler],
+    model_dir: str,
+    *,
+    async_scheduling: bool,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 32,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_model_len: int = 256,
+    runner: str = "auto",
+) -> Scheduler:
+    """A scheduler over a fake KV cache of ``num_blocks`` blocks, no engine."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=max_model_len,
+        seed=0,
+        runner=runner,
+        skip_tokenizer_init=True,
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+            async_scheduling=async_scheduling,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer.0"],
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=64,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+    )
