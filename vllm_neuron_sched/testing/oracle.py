@@ -1,0 +1,86 @@
+"""Run ``LLM.generate`` in a fresh process, for oracle comparisons.
+
+vLLM resolves its platform once per process, so stock vLLM
+(``VLLM_NEURON_SCHED_DISABLE=1``) and our platform can only be compared across
+processes. The child prints one JSON line with token ids (and logprobs).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+_MARKER = "NEURON_SCHED_RESULT:"
+
+
+def generate_in_subprocess(
+    model: str,
+    prompts: list[str] | list[list[int]],
+    sampling: dict[str, Any],
+    engine_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+) -> list[dict[str, Any]]:
+    """Token ids (and logprobs if asked) per prompt, from a fresh engine.
+
+    ``sampling`` holds ``SamplingParams`` keyword arguments, or a list of them
+    (one per prompt).
+    """
+    spec = {
+        "model": model,
+        "prompts": prompts,
+        "sampling": sampling,
+        "engine_kwargs": engine_kwargs or {},
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", __name__],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARKER):
+            return json.loads(line[len(_MARKER) :])
+    raise RuntimeError(
+        f"generation subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    )
+
+
+def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], **spec["engine_kwargs"])
+    sampling = spec["sampling"]
+    if isinstance(sampling, list):
+        params = [SamplingParams(**s) for s in sampling]
+    else:
+        params = SamplingParams(**sampling)
+    prompts = spec["prompts"]
+    if prompts and isinstance(prompts[0], list):
+        prompts = [{"prompt_token_ids": p} for p in prompts]
+    results = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [
+                {str(tok): lp.logprob for tok, lp in step.items()}
+                for step in completion.logprobs
+            ]
+        results.append(
+            {
+                "token_ids": list(completion.token_ids),
+                "text": completion.text,
+                "finish_reason": completion.finish_reason,
+                "logprobs": logprobs,
+            }
+        )
+    return results
+
+
+if __name__ == "__main__":
+    results = _run(json.loads(sys.stdin.read()))
+    print(_MARKER + json.dumps(results), flush=True)
