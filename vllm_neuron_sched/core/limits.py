@@ -53,6 +53,9 @@ class RequestLimits:
     max_batch_tkv_limit: int
     # Static pooling shapes; None for generation models.
     pooling_shapes: tuple[PoolingShape, ...] | None = None
+    # Tokens one step may schedule; a pooling prompt is never chunked, so it
+    # must fit one step. None: no cap.
+    max_num_scheduled_tokens: int | None = None
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -66,7 +69,12 @@ class RequestLimits:
             shapes = parse_pooling_shapes(
                 envs.VLLM_NEURON_SCHED_POOLING_SHAPES, max_model_len, max_num_seqs
             )
-        return cls(max_model_len, tkv_limit, shapes)
+        scheduler_config = vllm_config.scheduler_config
+        max_num_scheduled_tokens = (
+            scheduler_config.max_num_scheduled_tokens
+            or scheduler_config.max_num_batched_tokens
+        )
+        return cls(max_model_len, tkv_limit, shapes, max_num_scheduled_tokens)
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
         """Why a request can never run, or None if some batch can take it."""
@@ -77,6 +85,13 @@ class RequestLimits:
                     f"prompt has {num_prompt_tokens} tokens but the longest "
                     f"static pooling shape takes {longest} "
                     "(VLLM_NEURON_SCHED_POOLING_SHAPES)"
+                )
+            budget = self.max_num_scheduled_tokens
+            if budget is not None and num_prompt_tokens > budget:
+                return (
+                    f"prompt has {num_prompt_tokens} tokens but a pooling step "
+                    f"takes at most {budget} (max_num_batched_tokens); pooling "
+                    "prompts are not chunked"
                 )
             return None
         volume = num_prompt_tokens + (max_tokens or 1)

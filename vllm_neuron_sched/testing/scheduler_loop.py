@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
@@ -44,6 +45,8 @@ class FakeRunner:
     # Forced tokens: (req_id, output index) -> token (EOS, stop tokens).
     forced: dict[tuple[str, int], int] = field(default_factory=dict)
     prompt_lens: dict[str, int] = field(default_factory=dict)
+    # Requests with pooling params: they get a pooler output, not a token.
+    pooling: set[str] = field(default_factory=set)
     positions: dict[str, int] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
 
@@ -57,10 +60,14 @@ class FakeRunner:
         for new in so.scheduled_new_reqs:
             self.prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
             self.positions[new.req_id] = new.num_computed_tokens
+            if new.pooling_params is not None:
+                self.pooling.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             self.positions[req_id] = computed
-        req_ids, sampled = [], []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        pooled: list[torch.Tensor | None] = []
         record = StepRecord({}, {}, len(scheduler.running), 0)
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             start = self.positions[req_id]
@@ -72,10 +79,15 @@ class FakeRunner:
             end = start + num_tokens
             self.positions[req_id] = end
             req_ids.append(req_id)
-            # The step samples once its input reaches the end of the prompt.
-            sampled.append(
-                [self.token(req_id, end - prompt_len)] if end >= prompt_len else []
-            )
+            # The step samples (or pools) once its input reaches the prompt's end.
+            is_done = end >= prompt_len
+            if req_id in self.pooling:
+                sampled.append([])
+                pooled.append(torch.zeros(4) if is_done else None)
+            else:
+                token = self.token(req_id, end - prompt_len)
+                sampled.append([token] if is_done else [])
+                pooled.append(None)
         block_pool = scheduler.kv_cache_manager.block_pool
         record.num_free_blocks = block_pool.get_num_free_blocks()
         self.steps.append(record)
@@ -83,6 +95,7 @@ class FakeRunner:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            pooler_output=pooled if self.pooling.intersection(req_ids) else None,
         )
 
 

@@ -1,0 +1,512 @@
+"""The schedulers' policies, driven through both engine loops with a fake runner.
+
+Sync runs are ``run_sync`` (``EngineCore.step()``); async runs are
+``run_batch_queue`` (step N+1 scheduled before step N's update), so every
+policy is checked against the run-ahead the async engine really does.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from vllm.pooling_params import PoolingParams
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_neuron_sched.core.pooling import PoolingMixin
+from vllm_neuron_sched.core.scheduler import (
+    AsyncChunkedPrefillScheduler,
+    ChunkedPrefillScheduler,
+    PoolingScheduler,
+)
+from vllm_neuron_sched.testing.scheduler_loop import (
+    FakeRunner,
+    LoopResult,
+    StepRecord,
+    build_scheduler,
+    make_request,
+    run_batch_queue,
+    run_sync,
+)
+
+VOCAB = 1024
+EOS = VOCAB - 1
+Loop = Callable[..., LoopResult]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A scheduler class, its config flag and the engine loop that drives it."""
+
+    cls: type[Scheduler]
+    is_async: bool
+    loop: Loop
+
+
+SYNC = Mode(ChunkedPrefillScheduler, False, run_sync)
+ASYNC = Mode(AsyncChunkedPrefillScheduler, True, run_batch_queue)
+MODES = pytest.mark.parametrize("mode", [SYNC, ASYNC], ids=["sync", "async"])
+
+
+class _AsyncPooling(PoolingMixin, AsyncScheduler):
+    """The pooling policy over the async base, to show it is loop-independent."""
+
+
+class RecordingRunner(FakeRunner):
+    """Also keeps each ``SchedulerOutput`` and the scheduler's ``tkv`` after it."""
+
+    def __init__(self, vocab_size: int = VOCAB, **kwargs) -> None:
+        super().__init__(vocab_size, **kwargs)
+        self.outputs: list[SchedulerOutput] = []
+        self.tkvs: list[int] = []
+
+    def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
+        self.outputs.append(so)
+        self.tkvs.append(getattr(scheduler, "tkv", 0))
+        return super().execute(so, scheduler)
+
+
+@dataclass
+class Events:
+    """Adds requests and aborts them at fixed loop steps."""
+
+    arrivals: dict[int, list[Request]] = field(default_factory=dict)
+    aborts: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def last_step(self) -> int:
+        return max([*self.arrivals, *self.aborts], default=-1)
+
+    def __call__(self, step: int, scheduler: Scheduler) -> None:
+        for request in self.arrivals.get(step, []):
+            scheduler.add_request(request)
+        for req_id in self.aborts.get(step, []):
+            scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+
+def arrive(*requests: tuple[int, Request]) -> Events:
+    events = Events()
+    for step, request in requests:
+        events.arrivals.setdefault(step, []).append(request)
+    return events
+
+
+def run(
+    mode: Mode,
+    model_dir: str,
+    events: Events,
+    runner: RecordingRunner | None = None,
+    **kw,
+) -> tuple[Scheduler, RecordingRunner, LoopResult]:
+    scheduler = build_scheduler(
+        mode.cls, model_dir, async_scheduling=mode.is_async, **kw
+    )
+    runner = runner or RecordingRunner()
+    return scheduler, runner, mode.loop(scheduler, runner, events)
+
+
+def req(req_id: str, prompt_len: int, max_tokens: int, **kw) -> Request:
+    return make_request(req_id, prompt_len, max_tokens, vocab_size=VOCAB, **kw)
+
+
+def step_kind(step: StepRecord) -> str:
+    """'prefill', 'decode', 'idle', or 'mixed' (a broken step)."""
+    flags = set(step.is_prefill.values())
+    if len(flags) != 1:
+        return "mixed" if flags else "idle"
+    return "prefill" if flags == {True} else "decode"
+
+
+def step_kinds(runner: FakeRunner) -> list[str]:
+    return [step_kind(step) for step in runner.steps]
+
+
+def steps_of(runner: FakeRunner, req_id: str) -> list[int]:
+    return [i for i, s in enumerate(runner.steps) if req_id in s.scheduled]
+
+
+def interleaving_violations(runner: FakeRunner) -> list[int]:
+    """Steps that are prefills right after a prefill while a decoder was waiting.
+
+    Idle steps are skipped (they do not give decodes a turn). A request that
+    decodes before the first prefill and again after the second was in the
+    decode batch, able to decode, during both.
+    """
+    decode_steps: dict[str, list[int]] = {}
+    for i, step in enumerate(runner.steps):
+        for req_id, is_prefill in step.is_prefill.items():
+            if not is_prefill:
+                decode_steps.setdefault(req_id, []).append(i)
+    busy = [(i, kind) for i, kind in enumerate(step_kinds(runner)) if kind != "idle"]
+    violations = []
+    for (first, kind), (second, next_kind) in zip(busy, busy[1:]):
+        if kind == next_kind == "prefill" and any(
+            steps[0] < first and steps[-1] > second for steps in decode_steps.values()
+        ):
+            violations.append(second)
+    return violations
+
+
+def assert_blocks_all_free(scheduler: Scheduler, runner: FakeRunner) -> None:
+    """Never more free blocks than exist (double free), all free at the end."""
+    num_usable = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    assert all(s.num_free_blocks <= num_usable for s in runner.steps)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == num_usable
+    assert not scheduler.requests
+
+
+def expected_tokens(req_id: str, max_tokens: int, runner: FakeRunner) -> list[int]:
+    return [runner.token(req_id, i) for i in range(max_tokens)]
+
+
+# --- async mode is a config fact ---------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("cls", [ChunkedPrefillScheduler, AsyncChunkedPrefillScheduler])
+def test_is_async_follows_config_flag(
+    checkpoint_dir: str, cls: type[Scheduler], flag: bool
+) -> None:
+    """The mixin reads the flag, and the platform's config hook keeps it."""
+    scheduler = build_scheduler(cls, checkpoint_dir, async_scheduling=flag)
+    scheduler_config = scheduler.vllm_config.scheduler_config
+    assert scheduler_config.async_scheduling is flag
+    assert scheduler.is_async is flag
+    # The platform ran (it picks our class from the flag) and did not flip it.
+    expected = "AsyncChunkedPrefillScheduler" if flag else "ChunkedPrefillScheduler"
+    assert str(scheduler_config.scheduler_cls).rsplit(".", 1)[-1] == expected
+
+
+def test_platform_turns_async_off_for_pooling(checkpoint_dir: str) -> None:
+    """DESIGN: pooling is sync only, whatever the user asked."""
+    scheduler = build_scheduler(
+        PoolingScheduler, checkpoint_dir, async_scheduling=True, runner="pooling"
+    )
+    assert scheduler.vllm_config.scheduler_config.async_scheduling is False
+    assert scheduler.is_async is False
+
+
+# --- chunked-prefill rules ----------------------------------------------------
+
+
+@MODES
+def test_step_shape_rules(mode: Mode, checkpoint_dir: str) -> None:
+    """No mixed step, one request per prefill step, one ongoing prefill, seqs cap."""
+    prompts = [100, 20, 50, 5, 70, 33, 64]
+    events = arrive(*((i // 2, req(f"r{i}", p, 6 + i)) for i, p in enumerate(prompts)))
+    scheduler, runner, result = run(mode, checkpoint_dir, events, max_num_seqs=3)
+
+    kinds = step_kinds(runner)
+    assert "mixed" not in kinds
+    assert "prefill" in kinds and "decode" in kinds
+    for kind, step in zip(kinds, runner.steps):
+        if kind == "prefill":
+            assert len(step.scheduled) == 1
+        assert step.num_running <= 3
+        assert len(step.scheduled) <= 3
+    # At most one request is between its first and last prefill chunk.
+    partial: set[str] = set()
+    for step in runner.steps:
+        for req_id, (start, num_tokens) in step.scheduled.items():
+            prompt_len = runner.prompt_lens[req_id]
+            if start < prompt_len:
+                partial.discard(req_id)
+                if start + num_tokens < prompt_len:
+                    partial.add(req_id)
+        assert len(partial) <= 1
+    assert interleaving_violations(runner) == []
+    for i in range(len(prompts)):
+        assert result.tokens[f"r{i}"] == expected_tokens(f"r{i}", 6 + i, runner)
+        assert result.finish_reasons[f"r{i}"] == "length"
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_ongoing_prefill_beats_new_request(mode: Mode, checkpoint_dir: str) -> None:
+    """A newer request's prefill waits until the long prompt's last chunk."""
+    events = arrive((0, req("long", 120, 4)), (1, req("short", 8, 4)))
+    _, runner, _ = run(mode, checkpoint_dir, events, max_num_batched_tokens=32)
+    prefills = [
+        req_id
+        for kind, step in zip(step_kinds(runner), runner.steps)
+        if kind == "prefill"
+        for req_id in step.scheduled
+    ]
+    assert prefills == ["long"] * 4 + ["short"]
+
+
+@MODES
+@pytest.mark.parametrize("interleave", [True, False])
+def test_prefill_interleaving(
+    mode: Mode, interleave: bool, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With decodes running, interleaving forbids back-to-back prefill steps."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_PREFILL_INTERLEAVING", str(int(interleave)))
+    events = arrive((0, req("dec", 8, 30)), (2, req("long", 128, 4)))
+    _, runner, result = run(mode, checkpoint_dir, events, max_num_batched_tokens=32)
+    long_steps = steps_of(runner, "long")
+    dec_steps = steps_of(runner, "dec")
+    assert min(dec_steps) < min(long_steps) and max(long_steps) < max(dec_steps)
+    violations = interleaving_violations(runner)
+    if interleave:
+        assert violations == []
+    else:
+        # The four chunks of "long" run back to back while "dec" waits.
+        assert len(violations) == 3
+    assert result.tokens["dec"] == expected_tokens("dec", 30, runner)
+
+
+@MODES
+@pytest.mark.parametrize("tkv_limit", [100, 0], ids=["limit100", "nolimit"])
+def test_tkv_limit_gates_admission(
+    mode: Mode, tkv_limit: int, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two 40+20 requests cannot share a batch under a 100-token volume."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", str(tkv_limit))
+    events = arrive((0, req("a", 40, 20)), (1, req("b", 40, 20)))
+    scheduler, runner, result = run(mode, checkpoint_dir, events)
+    if tkv_limit:
+        assert scheduler.limits.max_batch_tkv_limit == tkv_limit
+        assert min(steps_of(runner, "b")) > max(steps_of(runner, "a"))
+    else:
+        assert min(steps_of(runner, "b")) < max(steps_of(runner, "a"))
+    limit = scheduler.limits.max_batch_tkv_limit
+    for kind, step, tkv in zip(step_kinds(runner), runner.steps, runner.tkvs):
+        if kind == "decode":
+            # tkv covers the largest position the step reaches.
+            max_position = max(start + n for start, n in step.scheduled.values())
+            assert tkv >= max_position
+            assert len(step.scheduled) * max_position <= limit
+    assert result.tokens["b"] == expected_tokens("b", 20, runner)
+
+
+@MODES
+def test_blocks_reserved_for_prompt_and_max_tokens(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """The second request's prompt fits in the free blocks, its lifetime does not."""
+    block_size, num_blocks = 16, 7  # 6 usable: one 20+40 request needs 4.
+    events = arrive((0, req("a", 20, 40)), (1, req("b", 20, 40)))
+    scheduler, runner, result = run(
+        mode, checkpoint_dir, events, num_blocks=num_blocks, block_size=block_size
+    )
+    first_b = min(steps_of(runner, "b"))
+    assert first_b > max(steps_of(runner, "a"))
+    waiting_steps = runner.steps[2:first_b]
+    assert waiting_steps, "b never had to wait"
+    assert min(s.num_free_blocks for s in waiting_steps) >= cdiv(20, block_size)
+    for so in runner.outputs:
+        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
+    for req_id in "ab":
+        assert result.tokens[req_id] == expected_tokens(req_id, 40, runner)
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_request_that_can_never_fit_is_finished_with_error(
+    mode: Mode, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prompt + max_tokens over the tkv limit: an error output, others served."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "100")
+    scheduler = build_scheduler(
+        mode.cls, checkpoint_dir, async_scheduling=mode.is_async
+    )
+    runner = RecordingRunner()
+    scheduler.add_request(req("ok", 30, 5))
+    scheduler.add_request(req("huge", 60, 50))
+    scheduler.add_request(req("ok2", 30, 5))
+
+    so = scheduler.schedule()
+    first = LoopResult()
+    first.collect(scheduler.update_from_output(so, runner.execute(so, scheduler)))
+    assert "huge" not in so.num_scheduled_tokens
+    assert first.finish_reasons == {"huge": "error"}
+    assert first.tokens["huge"] == []
+
+    result = mode.loop(scheduler, runner, Events())
+    assert "huge" not in result.tokens
+    for req_id in ("ok", "ok2"):
+        tokens = first.tokens.get(req_id, []) + result.tokens[req_id]
+        assert tokens == expected_tokens(req_id, 5, runner)
+        assert result.finish_reasons[req_id] == "length"
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_rejection_reaches_client_on_idle_engine(
+    mode: Mode, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing else to run, the loop still steps once to deliver the error."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "100")
+    _, _, result = run(mode, checkpoint_dir, arrive((0, req("huge", 60, 50))))
+    assert result.finish_reasons == {"huge": "error"}
+
+
+# --- pooling ------------------------------------------------------------------
+
+POOLING_SHAPES = "16x2,48x1"
+
+
+def pooling_req(req_id: str, prompt_len: int) -> Request:
+    prompt = list(range(1, prompt_len + 1))
+    return Request(req_id, prompt, None, PoolingParams())
+
+
+@pytest.mark.parametrize(
+    ("cls", "loop"),
+    [(PoolingScheduler, run_sync), (_AsyncPooling, run_batch_queue)],
+    ids=["sync", "async"],
+)
+def test_pooling_static_shape_batches(
+    cls: type[Scheduler],
+    loop: Loop,
+    checkpoint_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches are arrival-order runs that fit one shape, one batch at a time."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_POOLING_SHAPES", POOLING_SHAPES)
+    scheduler = build_scheduler(
+        cls,
+        checkpoint_dir,
+        async_scheduling=cls is _AsyncPooling,
+        runner="pooling",
+        max_num_batched_tokens=64,
+    )
+    assert scheduler.limits.pooling_shapes is not None
+    prompts = {"a": 10, "b": 12, "c": 40, "d": 8, "e": 14, "f": 5}
+    events = arrive(
+        *((0, pooling_req(r, n)) for r, n in prompts.items() if r != "f"),
+        (0, pooling_req("too_long", 60)),
+        (2, pooling_req("f", prompts["f"])),
+    )
+    runner = RecordingRunner()
+    result = loop(scheduler, runner, events)
+
+    batches = [sorted(s.scheduled) for s in runner.steps if s.scheduled]
+    assert batches == [["a", "b"], ["c"], ["d", "e"], ["f"]]
+    for step in runner.steps:
+        if step.scheduled:
+            # Nothing else runs while a batch starts.
+            assert step.num_running == len(step.scheduled)
+            longest = max(runner.prompt_lens[r] for r in step.scheduled)
+            assert scheduler.limits.fits_pooling_shape(longest, len(step.scheduled))
+            assert all(start == 0 for start, _ in step.scheduled.values())
+    assert result.finish_reasons == {
+        **dict.fromkeys(prompts, "stop"),
+        "too_long": "error",
+    }
+    assert_blocks_all_free(scheduler, runner)
+
+
+def test_pooling_prompt_over_step_budget_is_rejected(
+    checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt that fits a shape but not one step's token budget can never run.
+
+    Pooling prompts are never chunked, so such a request used to sit at the head
+    of the queue forever and stall everything behind it.
+    """
+    monkeypatch.setenv("VLLM_NEURON_SCHED_POOLING_SHAPES", POOLING_SHAPES)
+    scheduler = build_scheduler(
+        PoolingScheduler,
+        checkpoint_dir,
+        async_scheduling=False,
+        runner="pooling",
+        max_num_batched_tokens=32,
+    )
+    events = arrive((0, pooling_req("over_budget", 40)), (0, pooling_req("a", 10)))
+    runner = RecordingRunner()
+    result = run_sync(scheduler, runner, events, max_steps=100)
+    assert result.finish_reasons == {"over_budget": "error", "a": "stop"}
+    assert_blocks_all_free(scheduler, runner)
+
+
+# --- async reconciliation in update_from_output --------------------------------
+
+
+@MODES
+def test_eos_dead_token_is_discarded(mode: Mode, checkpoint_dir: str) -> None:
+    """Async schedules one position past EOS; that output never reaches the client."""
+    prompt_len, eos_index = 20, 3
+    runner = RecordingRunner(forced={("eos", eos_index): EOS})
+    events = arrive(
+        (0, req("eos", prompt_len, 10, eos_token_id=EOS)), (0, req("other", 20, 10))
+    )
+    scheduler, runner, result = run(mode, checkpoint_dir, events, runner=runner)
+
+    eos_step_start = prompt_len + eos_index - 1  # position that samples EOS
+    starts = [runner.steps[i].scheduled["eos"][0] for i in steps_of(runner, "eos")]
+    assert (max(starts) > eos_step_start) is mode.is_async
+    assert max(starts) <= eos_step_start + 1
+    expected = expected_tokens("eos", eos_index, runner) + [EOS]
+    assert result.tokens["eos"] == expected
+    assert result.finish_reasons["eos"] == "stop"
+    assert result.tokens["other"] == expected_tokens("other", 10, runner)
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_max_tokens_never_scheduled_past_end(mode: Mode, checkpoint_dir: str) -> None:
+    """The last scheduled position samples the last token; no dead token after it."""
+    lengths = {"a": (20, 5), "b": (33, 1), "c": (7, 12)}
+    events = arrive(*((0, req(r, p, m)) for r, (p, m) in lengths.items()))
+    scheduler, runner, result = run(mode, checkpoint_dir, events)
+    for req_id, (prompt_len, max_tokens) in lengths.items():
+        ends = [
+            sum(runner.steps[i].scheduled[req_id]) for i in steps_of(runner, req_id)
+        ]
+        assert max(ends) == prompt_len + max_tokens - 1
+        assert result.tokens[req_id] == expected_tokens(req_id, max_tokens, runner)
+        assert result.finish_reasons[req_id] == "length"
+    assert_blocks_all_free(scheduler, runner)
+
+
+def test_abort_while_step_in_flight(checkpoint_dir: str) -> None:
+    """An abort between schedule and update: no later output, blocks back once."""
+    runner = RecordingRunner()
+    aborted: dict[str, int] = {}
+
+    class AbortInFlight(Events):
+        def __call__(self, step: int, scheduler: Scheduler) -> None:
+            super().__call__(step, scheduler)
+            victim = scheduler.requests.get("victim")
+            # Abort once it has delivered tokens and its next step is in flight.
+            if (
+                victim is None
+                or aborted
+                or victim.num_output_tokens < 2
+                or victim.num_output_placeholders == 0
+            ):
+                return
+            block_pool = scheduler.kv_cache_manager.block_pool
+            free_before = block_pool.get_num_free_blocks()
+            held = len(scheduler.kv_cache_manager.get_block_ids("victim")[0])
+            scheduler.finish_requests("victim", RequestStatus.FINISHED_ABORTED)
+            aborted.update(
+                num_tokens=victim.num_output_tokens,
+                step=len(runner.steps),
+                held=held,
+                freed=block_pool.get_num_free_blocks() - free_before,
+            )
+
+    def workload() -> dict[int, list[Request]]:
+        return {0: [req(r, 24, 12) for r in ("a", "victim", "b")]}
+
+    _, _, reference = run(ASYNC, checkpoint_dir, Events(workload()))
+    events = AbortInFlight(workload())
+    scheduler, _, result = run(ASYNC, checkpoint_dir, events, runner=runner)
+
+    assert aborted, "the victim's step was never in flight"
+    assert aborted["held"] > 0 and aborted["freed"] == aborted["held"]
+    delivered = result.tokens["victim"]
+    assert delivered == reference.tokens["victim"][: aborted["num_tokens"]]
+    assert "victim" not in result.finish_reasons
+    assert all("victim" not in s.scheduled for s in runner.steps[aborted["step"] :])
+    for req_id in ("a", "b"):
+        assert result.tokens[req_id] == reference.tokens[req_id]
+        assert result.finish_reasons[req_id] == "length"
+    assert_blocks_all_free(scheduler, runner)
