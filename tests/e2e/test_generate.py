@@ -1,0 +1,260 @@
+"""``LLM.generate`` through our worker, sync and async, against stock vLLM CPU.
+
+The oracle is stock vLLM CPU (``VLLM_NEURON_SCHED_DISABLE=1``, set before vLLM
+resolves its platform, so it runs in a fresh subprocess: see ``_run_stock``).
+Greedy float32 tokens must match it token for token, logprobs and prompt
+logprobs within 1e-4; seeded random sampling must match between our sync and
+async modes.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Prompt lengths cross the 32-token chunk size; five prompts over four sequence
+# slots and different max_tokens make requests finish at different steps and
+# later ones join a running batch.
+PROMPT_LENGTHS = [5, 33, 70, 12, 47]
+MAX_TOKENS = [12, 20, 8, 16, 10]
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "seed": 0,
+    "enable_prefix_caching": False,
+    # Engine start is the slow part of these tests; eager skips torch.compile.
+    "enforce_eager": True,
+}
+NUM_LOGPROBS = 3
+TOLERANCE = 1e-4
+_MARKER = "GENERATE_RESULT:"
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _greedy_params() -> list[dict[str, Any]]:
+    return [
+        {
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "logprobs": NUM_LOGPROBS,
+            "prompt_logprobs": NUM_LOGPROBS if i == 1 else None,
+        }
+        for i, max_tokens in enumerate(MAX_TOKENS)
+    ]
+
+
+def _seeded_params() -> list[dict[str, Any]]:
+    common = {"max_tokens": 24, "ignore_eos": True}
+    return [
+        {"temperature": 0.9, "seed": 11, **common},
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 12, **common},
+        {"temperature": 1.0, "min_p": 0.05, "seed": 13, **common},
+        {
+            "temperature": 0.8,
+            "seed": 14,
+            "repetition_penalty": 1.3,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+            **common,
+        },
+        {"temperature": 0.0, "repetition_penalty": 1.5, "min_tokens": 4, **common},
+    ]
+
+
+def _generate(llm: Any, prompts: list[list[int]], params: list[dict]) -> list[dict]:
+    from vllm import SamplingParams
+
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(**p) for p in params],
+        use_tqdm=False,
+    )
+    return [_as_json(out) for out in outputs]
+
+
+def _as_json(out: Any) -> dict[str, Any]:
+    completion = out.outputs[0]
+
+    def steps(logprobs: Any) -> list | None:
+        if logprobs is None:
+            return None
+        return [
+            None if step is None else {str(t): lp.logprob for t, lp in step.items()}
+            for step in logprobs
+        ]
+
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": steps(completion.logprobs),
+        "prompt_logprobs": steps(out.prompt_logprobs),
+    }
+
+
+def _run_stock(checkpoint: str, params: list[dict]) -> list[dict]:
+    """Stock vLLM CPU in a fresh process: our platform plugin disabled."""
+    spec = {"model": checkpoint, "prompts": _prompts(), "params": params}
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_NEURON_SCHED_DISABLE": "1"},
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARKER):
+            return json.loads(line[len(_MARKER) :])
+    raise RuntimeError(
+        f"stock run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    )
+
+
+def _assert_logprobs_close(ours: list | None, stock: list | None) -> None:
+    assert (ours is None) == (stock is None)
+    if ours is None or stock is None:
+        return
+    assert len(ours) == len(stock)
+    for our_step, stock_step in zip(ours, stock):
+        assert (our_step is None) == (stock_step is None)
+        if our_step is None:
+            continue
+        assert our_step.keys() == stock_step.keys()
+        for token, logprob in our_step.items():
+            assert math.isclose(logprob, stock_step[token], abs_tol=TOLERANCE)
+
+
+def _stats(llm: Any) -> dict[str, int]:
+    return llm.collective_rpc("get_async_scheduling_stats")[0]
+
+
+@pytest.fixture(scope="module")
+def stock_greedy(checkpoint_dir: str) -> list[dict]:
+    return _run_stock(checkpoint_dir, _greedy_params())
+
+
+def _make_llm(checkpoint: str, async_scheduling: bool) -> Any:
+    from vllm import LLM
+
+    return LLM(model=checkpoint, async_scheduling=async_scheduling, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def llm_async(checkpoint_dir: str):
+    llm = _make_llm(checkpoint_dir, async_scheduling=True)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def llm_sync(checkpoint_dir: str):
+    llm = _make_llm(checkpoint_dir, async_scheduling=False)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def llm_vllm_scheduler(checkpoint_dir: str):
+    """Async mode under vLLM's own AsyncScheduler (``--scheduler-cls``): it
+    mixes prefill and decode in one step, which our worker must also run."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=checkpoint_dir,
+        async_scheduling=True,
+        scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler",
+        **ENGINE,
+    )
+    yield llm
+    del llm
+
+
+@pytest.fixture(params=["async", "sync", "vllm_scheduler"])
+def llm(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"llm_{request.param}")
+
+
+def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
+    ours = _generate(llm, _prompts(), _greedy_params())
+    for our_out, stock_out, max_tokens in zip(ours, stock_greedy, MAX_TOKENS):
+        assert len(our_out["token_ids"]) == max_tokens
+        assert our_out["token_ids"] == stock_out["token_ids"]
+        _assert_logprobs_close(our_out["logprobs"], stock_out["logprobs"])
+        _assert_logprobs_close(our_out["prompt_logprobs"], stock_out["prompt_logprobs"])
+    assert ours[1]["prompt_logprobs"] is not None  # returned, not dropped
+
+
+def test_seeded_sampling_async_equals_sync(llm_async: Any, llm_sync: Any) -> None:
+    prompts = _prompts()
+    ours_async = _generate(llm_async, prompts, _seeded_params())
+    ours_sync = _generate(llm_sync, prompts, _seeded_params())
+    assert [o["token_ids"] for o in ours_async] == [o["token_ids"] for o in ours_sync]
+    again = _generate(llm_async, prompts, _seeded_params())
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in ours_async]
+
+
+def test_long_fixed_decode_is_mostly_async(llm_async: Any) -> None:
+    # Joining and leaving the batch cost a fallback each (about six here);
+    # the long fixed stretch in between must run async.
+    before = _stats(llm_async)
+    params = [{"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}] * 4
+    _generate(llm_async, [p[:8] for p in _prompts()[1:5]], params)
+    after = _stats(llm_async)
+    num_async = after["async_steps"] - before["async_steps"]
+    num_fallback = after["sync_fallback_steps"] - before["sync_fallback_steps"]
+    assert num_async >= 0.9 * (num_async + num_fallback), (before, after)
+
+
+def test_sync_mode_counts_no_async_steps(llm_sync: Any) -> None:
+    assert _stats(llm_sync)["async_steps"] == 0
+
+
+def test_bad_request_is_refused_and_others_finish(llm_async: Any) -> None:
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="logprobs"):
+        llm_async.generate(
+            [{"prompt_token_ids": _prompts()[0]}],
+            SamplingParams(max_tokens=4, logprobs=10_000),
+            use_tqdm=False,
+        )
+    params = [{"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}] * 3
+    outputs = _generate(llm_async, _prompts()[:3], params)
+    assert [len(o["token_ids"]) for o in outputs] == [6, 6, 6]
+
+
+def test_structured_output_in_async_mode(llm_vllm_scheduler: Any) -> None:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choices = ["yes", "no", "maybe"]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )
+    outputs = llm_vllm_scheduler.generate(
+        ["the request is", "a token step"], params, use_tqdm=False
+    )
+    assert all(out.outputs[0].text in choices for out in outputs)
+
+
+if __name__ == "__main__":
+    from vllm import LLM
+
+    spec = json.loads(sys.stdin.read())
+    engine = LLM(model=spec["model"], **ENGINE)
+    results = _generate(engine, spec["prompts"], spec["params"])
+    print(_MARKER + json.dumps(results), flush=True)

@@ -1,0 +1,76 @@
+"""Static shapes: the padded sizes a compiled step graph is run at.
+
+A static-shape device compiles one graph per shape, so every step is padded up
+to one of a few buckets: decode batches to a batch-size bucket (1, 2, 4, ...),
+prefill chunks to a token-count bucket up to the chunk size.
+"""
+
+from dataclasses import dataclass
+
+_MIN_PREFILL_BUCKET = 16
+
+
+def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    sizes = []
+    size = start
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    sizes.append(limit)
+    return tuple(sizes)
+
+
+def parse_decode_buckets(spec: str, max_num_seqs: int) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> sorted buckets; empty: powers of two up to max_num_seqs.
+
+    max_num_seqs is always a bucket, so any decode batch fits one.
+    """
+    if not spec.strip():
+        return _powers_of_two_up_to(max_num_seqs)
+    try:
+        sizes = {int(item) for item in spec.split(",") if item.strip()}
+    except ValueError:
+        raise ValueError(
+            f"VLLM_NEURON_SCHED_DECODE_BUCKETS: {spec!r} is not a comma-separated "
+            "list of batch sizes (e.g. '1,2,4,8')"
+        ) from None
+    if any(size <= 0 for size in sizes):
+        raise ValueError(
+            f"VLLM_NEURON_SCHED_DECODE_BUCKETS: sizes must be > 0: {spec!r}"
+        )
+    sizes = {size for size in sizes if size < max_num_seqs}
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class Buckets:
+    # Decode batch sizes (requests), ascending; the last is max_num_seqs.
+    decode: tuple[int, ...]
+    # Prefill/mixed token counts, ascending; the last is max_num_batched_tokens.
+    prefill: tuple[int, ...]
+
+    @classmethod
+    def from_limits(
+        cls, decode_spec: str, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> "Buckets":
+        start = min(_MIN_PREFILL_BUCKET, max_num_batched_tokens)
+        return cls(
+            decode=parse_decode_buckets(decode_spec, max_num_seqs),
+            prefill=_powers_of_two_up_to(max_num_batched_tokens, start),
+        )
+
+    def pad_decode(self, num_reqs: int) -> int:
+        return _smallest_fitting(self.decode, num_reqs)
+
+    def pad_tokens(self, num_tokens: int) -> int:
+        return _smallest_fitting(self.prefill, num_tokens)
+
+
+def _smallest_fitting(sizes: tuple[int, ...], n: int) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    # Larger than every bucket (a user scheduler over-filled the step): run it
+    # at its own size rather than fail; a real static device would recompile.
+    return n

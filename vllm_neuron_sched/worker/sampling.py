@@ -1,0 +1,182 @@
+"""On-device sampling and the output that carries its result back to the host.
+
+The sampler runs on the device thread (vLLM's ``Sampler``: penalties, top-k/p,
+min-p, seeds, logprobs). Everything it reads is a snapshot taken at enqueue,
+because the main thread builds the next step while this one samples.
+"""
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.sample.logits_processor import LogitsProcessors
+
+from vllm_neuron_sched.runtime import DeviceFuture, Materializer
+from vllm_neuron_sched.worker.inputs import PLACEHOLDER_TOKEN_ID
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+
+def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":
+    """A copy the device may read while the host mutates the input batch.
+
+    Tensors are cloned, token histories and generator maps copied; logits
+    processors are shallow-copied (they rebind their state tensors on update;
+    in-place updates only happen when the batch changes, after the guard has
+    materialized the previous sampling).
+    """
+
+    def clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.clone()
+
+    processors = LogitsProcessors()
+    processors.argmax_invariant = [
+        copy.copy(p) for p in metadata.logitsprocs.argmax_invariant
+    ]
+    processors.non_argmax_invariant = [
+        copy.copy(p) for p in metadata.logitsprocs.non_argmax_invariant
+    ]
+    return replace(
+        metadata,
+        temperature=clone(metadata.temperature),
+        top_p=clone(metadata.top_p),
+        top_k=clone(metadata.top_k),
+        frequency_penalties=clone(metadata.frequency_penalties),
+        presence_penalties=clone(metadata.presence_penalties),
+        repetition_penalties=clone(metadata.repetition_penalties),
+        allowed_token_ids_mask=clone(metadata.allowed_token_ids_mask),
+        output_token_ids=[list(ids) for ids in metadata.output_token_ids],
+        generators=dict(metadata.generators),
+        bad_words_token_ids=dict(metadata.bad_words_token_ids),
+        spec_token_ids=None,
+        logitsprocs=processors,
+    )
+
+
+@dataclass
+class HistoryRepair:
+    """Fills the placeholder that ends a row's token history (penalties need
+    it) from the previous step's sampled tokens, on the device."""
+
+    # Previous step's sampled-token future, [rows padded].
+    prev_tokens: DeviceFuture
+    # Row i of this step takes prev_tokens[prev_row[i]]; -1: nothing pending.
+    prev_row: list[int]
+
+
+def sample_on_device(
+    sampler: "Sampler",
+    logits: torch.Tensor,
+    metadata: "SamplingMetadata",
+    num_rows_padded: int,
+    discarded_rows: list[int],
+    prev_tokens: torch.Tensor | None,
+    prev_row: list[int],
+    grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+) -> dict[str, Any]:
+    """Runs on the device thread. Returns the padded next input ids, the
+    sampled tokens of the real rows and their logprobs."""
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    with torch.inference_mode():
+        if grammar is not None:
+            scheduler_output, grammar_output, req_ids = grammar
+            rows = SimpleNamespace(req_ids=req_ids)
+            apply_grammar_bitmask(scheduler_output, grammar_output, rows, logits)
+        if prev_tokens is not None:
+            for history, row in zip(metadata.output_token_ids, prev_row):
+                if row >= 0 and history and history[-1] == PLACEHOLDER_TOKEN_ID:
+                    history[-1] = int(prev_tokens[row])
+        # A prompt chunk that is not the last samples nothing: its seeded
+        # generator must not advance, so seeds reproduce however it is chunked.
+        kept_states = {
+            row: metadata.generators[row].get_state()
+            for row in discarded_rows
+            if row in metadata.generators
+        }
+        output = sampler(logits=logits, sampling_metadata=metadata)
+        sampled = output.sampled_token_ids[:, 0].to(torch.int32)
+        for row, state in kept_states.items():
+            metadata.generators[row].set_state(state)
+        next_input_ids = torch.zeros(num_rows_padded, dtype=torch.int32)
+        next_input_ids[: sampled.shape[0]] = sampled
+    return {
+        "next_input_ids": next_input_ids,
+        "sampled": sampled,
+        "logprobs": output.logprobs_tensors,
+    }
+
+
+def prompt_logprobs_on_device(
+    model: Any,
+    sampler: "Sampler",
+    logprobs_mode: str,
+    hidden_states: torch.Tensor,
+    offset: int,
+    chunk_start: int,
+    target_ids: torch.Tensor,
+    num_logprobs: int,
+    buffer: LogprobsTensors,
+) -> None:
+    """Runs on the device thread, in the forward: one prompt chunk's logprobs
+    into the request's buffer (returned with its last chunk's output)."""
+    num_logits = target_ids.shape[0]
+    logits = model.compute_logits(hidden_states[offset : offset + num_logits])
+    if logprobs_mode in ("raw_logits", "processed_logits"):
+        scores = logits.to(torch.float32)
+    else:
+        scores = sampler.compute_logprobs(logits)
+    token_ids, logprobs, ranks, *_ = sampler.gather_logprobs(
+        scores, num_logprobs, target_ids
+    )
+    chunk = slice(chunk_start, chunk_start + num_logits)
+    buffer.logprob_token_ids[chunk].copy_(token_ids)
+    buffer.logprobs[chunk].copy_(logprobs)
+    buffer.selected_token_ranks[chunk].copy_(ranks)
+
+
+def make_output_materializer(
+    result: DeviceFuture,
+    req_ids: Sequence[str],
+    is_sampled: Sequence[bool],
+    prompt_logprobs: dict[str, LogprobsTensors],
+) -> Materializer[ModelRunnerOutput]:
+    """The device result as host lists, built at most once by whichever thread
+    asks first. It reads only its own captures, never the input batch."""
+    req_ids = list(req_ids)
+    is_sampled = list(is_sampled)
+
+    def materialize() -> ModelRunnerOutput:
+        values = result.result()
+        tokens = values["sampled"].tolist()
+        logprobs = values["logprobs"]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=[
+                [token] if keep else [] for token, keep in zip(tokens, is_sampled)
+            ],
+            logprobs=None if logprobs is None else logprobs.tolists(),
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    return Materializer(materialize)
+
+
+class AsyncStepOutput(AsyncModelRunnerOutput):
+    """Returned by ``sample_tokens`` in async mode. ``get_output()`` runs on the
+    executor's async output thread (output rank) or the engine thread
+    (uniproc); it only turns the device result into host lists."""
+
+    def __init__(self, output: Materializer[ModelRunnerOutput]) -> None:
+        self._output = output
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._output.get()
