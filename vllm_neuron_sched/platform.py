@@ -7,6 +7,7 @@ limits at the API boundary, where a bad request gets a 400 instead of stalling
 the engine.
 """
 
+import os
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -80,6 +81,20 @@ class NeuronSchedPlatform(CpuPlatform):
             scheduler_config.scheduler_cls,
             parallel_config.worker_cls,
         )
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM flags every unknown ``VLLM_*`` variable; ours are known."""
+        from vllm import envs as vllm_envs
+
+        from vllm_neuron_sched import envs
+
+        known = vllm_envs.environment_variables.keys() | envs.environment_variables
+        for name in os.environ:
+            if name.startswith("VLLM_") and name not in known:
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable: {name}")
+                logger.warning("Unknown vLLM environment variable: %s", name)
 
     @classmethod
     def validate_request(

@@ -146,11 +146,16 @@ class ChunkedPrefillMixin(RejectionMixin):
     # --- admission -----------------------------------------------------------
 
     def admissible_waiting_request(self) -> "Request | None":
-        """The head of the waiting queue, if it may start now (FCFS: no skipping)."""
-        if not self.waiting:
-            return None
-        candidate = self.waiting.peek_request()
-        if candidate.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        """The first ready waiting request, if it may start now.
+
+        Served in order; a request still compiling its grammar is passed over
+        (vLLM's scheduler does the same) until the grammar is ready.
+        """
+        candidate = next(
+            (r for r in self.waiting if self._handle_blocked_waiting_request(r)),
+            None,
+        )
+        if candidate is None:
             return None
         if len(self.running) >= self.max_num_running_reqs:
             return None

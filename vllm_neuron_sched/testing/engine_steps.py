@@ -80,6 +80,9 @@ class Row:
     waiting: tuple[str, ...]
     tkv: int
     blocks_used: int
+    # Blocks in use right after this call's schedule() (before any update
+    # frees a finished request): where a dead token's extra block shows.
+    blocks_at_schedule: int
     blocks_reserved: int
     # req_id -> tokens the client received in this call.
     delivered: dict[str, int]
@@ -129,12 +132,13 @@ class EngineStepper:
         self.core = self.engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.eos_token_id = eos_token_id
-        self._scheduled: list[dict[str, int]] = []
+        self._scheduled: list[tuple[dict[str, int], int]] = []
         schedule = self.scheduler.schedule
 
         def observed_schedule(*args: Any, **kwargs: Any):
             output = schedule(*args, **kwargs)
-            self._scheduled.append(dict(output.num_scheduled_tokens))
+            scheduled = dict(output.num_scheduled_tokens)
+            self._scheduled.append((scheduled, self.blocks_used()))
             return output
 
         # Observation only: records each SchedulerOutput, changes nothing.
@@ -213,9 +217,10 @@ class EngineStepper:
         base: dict[str, int],
     ) -> Row:
         scheduler = self.scheduler
-        scheduled = self._scheduled[-1] if self._scheduled else {}
+        scheduled, blocks_at_schedule = (
+            self._scheduled[-1] if self._scheduled else ({}, self.blocks_used())
+        )
         counters = self.counters()
-        pool = scheduler.kv_cache_manager.block_pool
         return Row(
             step=step,
             scheduled={self.external_id(r): n for r, n in scheduled.items()},
@@ -223,7 +228,8 @@ class EngineStepper:
             running=tuple(self.external_id(r.request_id) for r in scheduler.running),
             waiting=tuple(self.external_id(r.request_id) for r in scheduler.waiting),
             tkv=getattr(scheduler, "tkv", 0),
-            blocks_used=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+            blocks_used=self.blocks_used(),
+            blocks_at_schedule=blocks_at_schedule,
             blocks_reserved=scheduler.reserved_blocks(),
             delivered=delivered,
             finished=tuple(sorted(finished)),
@@ -231,6 +237,10 @@ class EngineStepper:
             fallback_steps=counters.get("sync_fallback_steps", 0)
             - base.get("sync_fallback_steps", 0),
         )
+
+    def blocks_used(self) -> int:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
 
     def _kind(self, scheduled: dict[str, int]) -> str:
         """Derived from positions, not from the scheduler's own label."""
@@ -284,11 +294,12 @@ def assert_rows(rows: Sequence[Row], expected: Iterable[dict]) -> None:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    header = "step kind    tkv used resv async fb  scheduled / delivered / running"
+    header = "step kind    tkv used @sch resv async fb  scheduled / delivered / running"
     lines = [header]
     for r in rows:
         lines.append(
             f"{r.step:4} {r.kind:7} {r.tkv:4} {r.blocks_used:4} "
+            f"{r.blocks_at_schedule:4} "
             f"{r.blocks_reserved:4} {r.async_steps:5} {r.fallback_steps:2}  "
             f"{r.scheduled} / {r.delivered} / {list(r.running)}"
             + (f" finished={list(r.finished)}" if r.finished else "")

@@ -292,7 +292,10 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         self, forward: ForwardState, grammar_output: "GrammarOutput | None"
     ) -> InFlightStep:
         inputs = forward.inputs
-        metadata = snapshot_sampling_metadata(self.input_batch.sampling_metadata)
+        metadata = snapshot_sampling_metadata(
+            self.input_batch.sampling_metadata,
+            self.input_batch.req_output_token_ids,
+        )
         prev_tokens, prev_row = self._history_repair(metadata, inputs.req_ids)
         grammar = None
         if grammar_output is not None:

@@ -24,25 +24,33 @@ if TYPE_CHECKING:
     from vllm.v1.sample.sampler import Sampler
 
 
-def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":
+def snapshot_sampling_metadata(
+    metadata: "SamplingMetadata", live_histories: Sequence[list[int] | None]
+) -> "SamplingMetadata":
     """A copy the device may read while the host mutates the input batch.
 
-    Tensors are cloned, token histories and generator maps copied; logits
-    processors are shallow-copied (they rebind their state tensors on update;
-    in-place updates only happen when the batch changes, after the guard has
-    materialized the previous sampling).
+    Tensors are cloned, token histories and generator maps copied. Logits
+    processors are deep-copied with each live history mapped to its copy:
+    they keep references to the request's output-token list (min_tokens, the
+    per-request adapters), which the main thread appends the next placeholder
+    to right after this step is enqueued; read live, they would see one token
+    too many.
     """
 
     def clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.clone()
 
+    histories = [list(ids) for ids in metadata.output_token_ids]
+    memo = {
+        id(live): copied for live, copied in zip(metadata.output_token_ids, histories)
+    }
     processors = LogitsProcessors()
-    processors.argmax_invariant = [
-        copy.copy(p) for p in metadata.logitsprocs.argmax_invariant
-    ]
-    processors.non_argmax_invariant = [
-        copy.copy(p) for p in metadata.logitsprocs.non_argmax_invariant
-    ]
+    processors.argmax_invariant = copy.deepcopy(
+        metadata.logitsprocs.argmax_invariant, memo
+    )
+    processors.non_argmax_invariant = copy.deepcopy(
+        metadata.logitsprocs.non_argmax_invariant, memo
+    )
     return replace(
         metadata,
         temperature=clone(metadata.temperature),
@@ -52,7 +60,7 @@ def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadat
         presence_penalties=clone(metadata.presence_penalties),
         repetition_penalties=clone(metadata.repetition_penalties),
         allowed_token_ids_mask=clone(metadata.allowed_token_ids_mask),
-        output_token_ids=[list(ids) for ids in metadata.output_token_ids],
+        output_token_ids=histories,
         generators=dict(metadata.generators),
         bad_words_token_ids=dict(metadata.bad_words_token_ids),
         spec_token_ids=None,

@@ -1,0 +1,179 @@
+"""Engine step tests: the effect of async scheduling, one engine call at a time.
+
+Each case lists its requests and checks the state after every call of the
+engine loop (``step()`` sync, ``step_with_batch_queue()`` async): what was
+scheduled, what the client received, KV blocks, async counters. On a mismatch
+the whole step table is printed. The dead token (DESIGN.md section 7) is the
+step scheduled past a request's end: async mode computes it when a request
+stops on EOS or a stop string, never for max_tokens, and it never reaches the
+client.
+"""
+
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_neuron_sched.testing.engine_steps import (
+    EngineStepper,
+    Req,
+    Row,
+    assert_rows,
+    decode_rows,
+    format_table,
+)
+
+pytestmark = pytest.mark.slow
+
+EOS = 1  # the checkpoint tokenizer's </s>
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def stepper(request, checkpoint_dir: str) -> Iterator[EngineStepper]:
+    engine = EngineStepper(
+        checkpoint_dir,
+        async_scheduling=request.param == "async",
+        eos_token_id=EOS,
+        max_num_batched_tokens=32,
+        block_size=32,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def is_async(stepper: EngineStepper) -> bool:
+    return stepper.core.batch_queue is not None
+
+
+def scheduled_positions(rows: list[Row], req_id: str) -> list[int]:
+    """Steps whose batch held the request."""
+    return [r.step for r in rows if req_id in r.scheduled]
+
+
+def decode_steps(rows: list[Row], req_id: str) -> int:
+    return sum(1 for r in rows if r.scheduled.get(req_id) == 1 and r.kind == "decode")
+
+
+def check(condition: bool, rows: list[Row], message: str) -> None:
+    assert condition, f"{message}\n{format_table(rows)}"
+
+
+def test_eos_dead_token(stepper: EngineStepper) -> None:
+    """EOS at output 4: async schedules one dead decode past it; sync none."""
+    rows, client = stepper.run([Req("eos", prompt_len=20, max_tokens=16, eos_at=4)])
+    tokens = client.tokens["eos"]
+    check(tokens[-1] == EOS and len(tokens) == 5, rows, f"client saw {tokens}")
+    check(client.finish_reason["eos"] == "stop", rows, "finish reason")
+    dead = 1 if is_async(stepper) else 0
+    # Output 0 comes from the prefill; outputs 1-4 from 4 decodes; + dead token.
+    check(decode_steps(rows, "eos") == 4 + dead, rows, "decode steps")
+    # Its blocks are freed once: nothing used or reserved at the end.
+    assert_rows(rows, [{"step": rows[-1].step, "blocks_used": 0, "blocks_reserved": 0}])
+    if is_async(stepper):
+        # The dead step is scheduled in the call that delivers EOS; its own
+        # output (one call later) delivers nothing.
+        last = scheduled_positions(rows, "eos")[-1]
+        check("eos" in rows[last].finished, rows, "dead step scheduled with EOS")
+        check(all("eos" not in r.delivered for r in rows[last + 1 :]), rows, "leak")
+
+
+def test_max_tokens_never_scheduled_past_end(stepper: EngineStepper) -> None:
+    rows, client = stepper.run([Req("len", prompt_len=12, max_tokens=6)])
+    check(len(client.tokens["len"]) == 6, rows, "tokens")
+    check(client.finish_reason["len"] == "length", rows, "finish reason")
+    check(decode_steps(rows, "len") == 5, rows, "no dead token on max_tokens")
+    first_decode = next(r.step for r in rows if r.kind == "decode")
+    assert_rows(rows, decode_rows(first_decode, first_decode + 4, tkv=13))
+
+
+def test_dead_token_across_block_boundary(stepper: EngineStepper) -> None:
+    """Prompt 30 + EOS at output 2: decodes write positions 30 and 31; the dead
+    token's KV goes to position 32, the first slot of a second 32-token block.
+    That block is allocated for the dead step and freed with the request."""
+    rows, client = stepper.run([Req("edge", prompt_len=30, max_tokens=8, eos_at=2)])
+    check(client.tokens["edge"][-1] == EOS, rows, "EOS")
+    check(len(client.tokens["edge"]) == 3, rows, "tokens")
+    peak = max(r.blocks_at_schedule for r in rows)
+    check(peak == (2 if is_async(stepper) else 1), rows, f"peak blocks {peak}")
+    check(rows[-1].blocks_used == 0, rows, "blocks freed")
+
+
+def test_stop_string_across_steps(stepper: EngineStepper) -> None:
+    """A stop string made of the end of output 2 and the start of output 3."""
+    probe, probe_client = stepper.run([Req("probe", prompt_len=16, max_tokens=8)])
+    tokenizer = stepper.engine.get_tokenizer()
+    ids = probe_client.tokens["probe"]
+    second, third = tokenizer.decode(ids[2:3]), tokenizer.decode(ids[3:4])
+    stop = second[-1:] + third[:1]
+    text_before = tokenizer.decode(ids[:3])[:-1]
+    if stop in text_before or len(stop) < 2:
+        pytest.fail(f"probe tokens {ids} give no clean stop string")
+    rows, client = stepper.run(
+        [Req("probe", prompt_len=16, max_tokens=8, stop=(stop,))]
+    )
+    check(client.finish_reason["probe"] == "stop", rows, "finish reason")
+    check(client.text["probe"] == text_before, rows, f"text {client.text}")
+    check(rows[-1].blocks_used == 0, rows, "blocks freed")
+
+
+def test_abort_while_step_in_flight(stepper: EngineStepper) -> None:
+    reqs = [
+        Req("keep", prompt_len=10, max_tokens=12),
+        Req("drop", prompt_len=10, max_tokens=12, abort_at=5),
+    ]
+    rows, client = stepper.run(reqs)
+    check(len(client.tokens["keep"]) == 12, rows, "other request finished")
+    check("drop" not in client.finish_reason, rows, "aborted: no final output")
+    check(all("drop" not in r.scheduled for r in rows[6:]), rows, "not scheduled")
+    check("drop" not in rows[5].running, rows, "removed at abort")
+    check(rows[-1].blocks_used == 0, rows, "blocks freed")
+
+
+def test_new_request_joins_while_dead_token_in_flight(
+    stepper: EngineStepper,
+) -> None:
+    alone, alone_client = stepper.run([Req("late", prompt_len=14, max_tokens=6)])
+    reqs = [
+        Req("early", prompt_len=10, max_tokens=20, eos_at=3),
+        Req("late", prompt_len=14, max_tokens=6, add_at=5),
+    ]
+    rows, client = stepper.run(reqs)
+    check(client.tokens["late"] == alone_client.tokens["late"], rows, "late tokens")
+    check(client.tokens["early"][-1] == EOS, rows, "early stops on EOS")
+    check(rows[-1].blocks_used == 0, rows, "blocks freed")
+
+
+def test_interleaved_prefill_counts(stepper: EngineStepper) -> None:
+    """A long prompt's chunks interleave with a running decode; in async mode
+    the decode steps between chunks whose batch did not change stay async."""
+    reqs = [
+        Req("dec", prompt_len=8, max_tokens=24),
+        Req("long", prompt_len=100, max_tokens=4, add_at=4),
+    ]
+    rows, client = stepper.run(reqs)
+    kinds = [r.kind for r in rows if r.kind in ("prefill", "decode")]
+    pairs = list(zip(kinds, kinds[1:]))
+    check(("prefill", "prefill") not in pairs[2:], rows, "interleaving")
+    check(len(client.tokens["dec"]) == 24, rows, "decode request")
+    if is_async(stepper):
+        last = rows[-1]
+        num_decodes = sum(1 for r in rows if r.kind == "decode")
+        check(last.async_steps + last.fallback_steps == num_decodes, rows, "counts")
+        check(last.async_steps >= num_decodes // 2, rows, "mostly async")
+
+
+def test_no_token_crosses_requests(stepper: EngineStepper) -> None:
+    """Requests of different lengths finishing at different steps (condense
+    reorders the batch): each gets exactly the tokens it gets alone."""
+    specs = [Req(f"r{i}", prompt_len=6 + 5 * i, max_tokens=4 + 3 * i) for i in range(6)]
+    alone = {}
+    for spec in specs[:3]:
+        _, c = stepper.run([spec])
+        alone[spec.req_id] = c.tokens[spec.req_id]
+    staggered = [
+        Req(s.req_id, s.prompt_len, s.max_tokens, add_at=i) for i, s in enumerate(specs)
+    ]
+    rows, client = stepper.run(staggered)
+    for req_id, tokens in alone.items():
+        check(client.tokens[req_id] == tokens, rows, f"{req_id} tokens")
+    for spec in specs:
+        check(len(client.tokens[spec.req_id]) == spec.max_tokens, rows, spec.req_id)
