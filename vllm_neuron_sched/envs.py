@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     VLLM_NEURON_SCHED_POOLING_SHAPES: str = ""
     VLLM_NEURON_SCHED_DECODE_BUCKETS: str = ""
     VLLM_NEURON_SCHED_STATS_INTERVAL_S: float = 10.0
+    VLLM_NEURON_SCHED_TIMELINE: bool = False
+    VLLM_NEURON_SCHED_METRICS_DIR: str = ""
+    VLLM_NEURON_SCHED_FAULT_AT_EXECUTION: int = 0
 
 
 def _bool(name: str, default: str) -> Callable[[], bool]:
@@ -57,6 +60,20 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds between the worker's async/fallback counter log lines; 0 = off.
     "VLLM_NEURON_SCHED_STATS_INTERVAL_S": lambda: float(
         os.getenv("VLLM_NEURON_SCHED_STATS_INTERVAL_S", "10")
+    ),
+    # "1": the worker records per-step host/device busy intervals for the
+    # benchmarks (worker/timeline.py); read with collective_rpc("get_step_timeline").
+    "VLLM_NEURON_SCHED_TIMELINE": _bool("VLLM_NEURON_SCHED_TIMELINE", "0"),
+    # Directory where workers publish the Prometheus counters (metrics.py).
+    # Set by the platform in the front-end process before it spawns the
+    # engine; empty in a process that exports nothing.
+    "VLLM_NEURON_SCHED_METRICS_DIR": lambda: os.getenv(
+        "VLLM_NEURON_SCHED_METRICS_DIR", ""
+    ),
+    # Fault injection for reliability tests: the device's Nth execution raises
+    # instead of running. 0 = off.
+    "VLLM_NEURON_SCHED_FAULT_AT_EXECUTION": lambda: int(
+        os.getenv("VLLM_NEURON_SCHED_FAULT_AT_EXECUTION", "0")
     ),
 }
 

@@ -235,7 +235,11 @@ def test_bad_request_is_refused_and_others_finish(llm_async: Any) -> None:
     assert [len(o["token_ids"]) for o in outputs] == [6, 6, 6]
 
 
-def test_structured_output_in_async_mode(llm_vllm_scheduler: Any) -> None:
+@pytest.mark.parametrize("engine", ["llm_async", "llm_vllm_scheduler"])
+def test_structured_output_in_async_mode(
+    engine: str, request: pytest.FixtureRequest
+) -> None:
+    """Under our chunked-prefill scheduler and under vLLM's AsyncScheduler."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -245,7 +249,7 @@ def test_structured_output_in_async_mode(llm_vllm_scheduler: Any) -> None:
         max_tokens=10,
         structured_outputs=StructuredOutputsParams(choice=choices),
     )
-    outputs = llm_vllm_scheduler.generate(
+    outputs = request.getfixturevalue(engine).generate(
         ["the request is", "a token step"], params, use_tqdm=False
     )
     assert all(out.outputs[0].text in choices for out in outputs)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from vllm.logger import init_logger
 
+from vllm_neuron_sched import envs
 from vllm_neuron_sched.runtime.future import (
     DeviceExecutionError,
     DeviceFuture,
@@ -45,6 +46,8 @@ class Device(ABC):
         self._stats_lock = threading.Lock()
         self._num_executions = 0
         self._busy_s = 0.0
+        # Reliability tests: this execution (1-based) raises; 0 = never.
+        self.fault_at_execution = envs.VLLM_NEURON_SCHED_FAULT_AT_EXECUTION
 
     def enqueue(
         self, fn: Callable[..., T], *args: Any, **kwargs: Any
@@ -94,6 +97,11 @@ class Device(ABC):
             return
         start = time.perf_counter()
         try:
+            if self._num_executions + 1 == self.fault_at_execution:
+                raise RuntimeError(
+                    f"injected device fault at execution {self.fault_at_execution} "
+                    "(VLLM_NEURON_SCHED_FAULT_AT_EXECUTION)"
+                )
             value = execution.fn(*args, **kwargs)
         except Exception as exc:
             logger.debug("Device %s: %s raised %r", self.label, future._label, exc)

@@ -84,6 +84,8 @@ class Row:
     # frees a finished request): where a dead token's extra block shows.
     blocks_at_schedule: int
     blocks_reserved: int
+    # Requests this call's schedule() preempted (freed their KV, back to waiting).
+    preempted: tuple[str, ...]
     # req_id -> tokens the client received in this call.
     delivered: dict[str, int]
     finished: tuple[str, ...]
@@ -132,13 +134,16 @@ class EngineStepper:
         self.core = self.engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.eos_token_id = eos_token_id
-        self._scheduled: list[tuple[dict[str, int], int]] = []
+        self._scheduled: list[tuple[dict[str, int], int, tuple[str, ...]]] = []
         schedule = self.scheduler.schedule
 
         def observed_schedule(*args: Any, **kwargs: Any):
             output = schedule(*args, **kwargs)
+            preempted = tuple(
+                sorted(self.external_id(r) for r in output.preempted_req_ids or ())
+            )
             scheduled = dict(output.num_scheduled_tokens)
-            self._scheduled.append((scheduled, self.blocks_used()))
+            self._scheduled.append((scheduled, self.blocks_used(), preempted))
             return output
 
         # Observation only: records each SchedulerOutput, changes nothing.
@@ -217,8 +222,8 @@ class EngineStepper:
         base: dict[str, int],
     ) -> Row:
         scheduler = self.scheduler
-        scheduled, blocks_at_schedule = (
-            self._scheduled[-1] if self._scheduled else ({}, self.blocks_used())
+        scheduled, blocks_at_schedule, preempted = (
+            self._scheduled[-1] if self._scheduled else ({}, self.blocks_used(), ())
         )
         counters = self.counters()
         return Row(
@@ -230,7 +235,12 @@ class EngineStepper:
             tkv=getattr(scheduler, "tkv", 0),
             blocks_used=self.blocks_used(),
             blocks_at_schedule=blocks_at_schedule,
-            blocks_reserved=scheduler.reserved_blocks(),
+            blocks_reserved=(
+                scheduler.reserved_blocks()
+                if hasattr(scheduler, "reserved_blocks")
+                else 0
+            ),
+            preempted=preempted,
             delivered=delivered,
             finished=tuple(sorted(finished)),
             async_steps=counters.get("async_steps", 0) - base.get("async_steps", 0),
@@ -303,5 +313,6 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{r.blocks_reserved:4} {r.async_steps:5} {r.fallback_steps:2}  "
             f"{r.scheduled} / {r.delivered} / {list(r.running)}"
             + (f" finished={list(r.finished)}" if r.finished else "")
+            + (f" preempted={list(r.preempted)}" if r.preempted else "")
         )
     return "\n".join(lines)
