@@ -7,14 +7,12 @@ logprobs within 1e-4; seeded random sampling must match between our sync and
 async modes.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+
+from vllm_neuron_sched.testing.oracle import generate, generate_in_subprocess
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +33,6 @@ ENGINE = {
 }
 NUM_LOGPROBS = 3
 TOLERANCE = 1e-4
-_MARKER = "GENERATE_RESULT:"
 
 
 def _prompts() -> list[list[int]]:
@@ -73,51 +70,15 @@ def _seeded_params() -> list[dict[str, Any]]:
     ]
 
 
-def _generate(llm: Any, prompts: list[list[int]], params: list[dict]) -> list[dict]:
-    from vllm import SamplingParams
-
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        [SamplingParams(**p) for p in params],
-        use_tqdm=False,
-    )
-    return [_as_json(out) for out in outputs]
-
-
-def _as_json(out: Any) -> dict[str, Any]:
-    completion = out.outputs[0]
-
-    def steps(logprobs: Any) -> list | None:
-        if logprobs is None:
-            return None
-        return [
-            None if step is None else {str(t): lp.logprob for t, lp in step.items()}
-            for step in logprobs
-        ]
-
-    return {
-        "token_ids": list(completion.token_ids),
-        "logprobs": steps(completion.logprobs),
-        "prompt_logprobs": steps(out.prompt_logprobs),
-    }
-
-
 def _run_stock(checkpoint: str, params: list[dict]) -> list[dict]:
     """Stock vLLM CPU in a fresh process: our platform plugin disabled."""
-    spec = {"model": checkpoint, "prompts": _prompts(), "params": params}
-    proc = subprocess.run(
-        [sys.executable, __file__],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_NEURON_SCHED_DISABLE": "1"},
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            return json.loads(line[len(_MARKER) :])
-    raise RuntimeError(
-        f"stock run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    return generate_in_subprocess(
+        checkpoint,
+        _prompts(),
+        params,
+        ENGINE,
+        env={"VLLM_NEURON_SCHED_DISABLE": "1"},
+        timeout_s=900,
     )
 
 
@@ -186,7 +147,7 @@ def llm(request: pytest.FixtureRequest) -> Any:
 
 
 def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
-    ours = _generate(llm, _prompts(), _greedy_params())
+    ours = generate(llm, _prompts(), _greedy_params())
     for our_out, stock_out, max_tokens in zip(ours, stock_greedy, MAX_TOKENS):
         assert len(our_out["token_ids"]) == max_tokens
         assert our_out["token_ids"] == stock_out["token_ids"]
@@ -197,10 +158,10 @@ def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
 
 def test_seeded_sampling_async_equals_sync(llm_async: Any, llm_sync: Any) -> None:
     prompts = _prompts()
-    ours_async = _generate(llm_async, prompts, _seeded_params())
-    ours_sync = _generate(llm_sync, prompts, _seeded_params())
+    ours_async = generate(llm_async, prompts, _seeded_params())
+    ours_sync = generate(llm_sync, prompts, _seeded_params())
     assert [o["token_ids"] for o in ours_async] == [o["token_ids"] for o in ours_sync]
-    again = _generate(llm_async, prompts, _seeded_params())
+    again = generate(llm_async, prompts, _seeded_params())
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in ours_async]
 
 
@@ -209,7 +170,7 @@ def test_long_fixed_decode_is_mostly_async(llm_async: Any) -> None:
     # the long fixed stretch in between must run async.
     before = _stats(llm_async)
     params = [{"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}] * 4
-    _generate(llm_async, [p[:8] for p in _prompts()[1:5]], params)
+    generate(llm_async, [p[:8] for p in _prompts()[1:5]], params)
     after = _stats(llm_async)
     num_async = after["async_steps"] - before["async_steps"]
     num_fallback = after["sync_fallback_steps"] - before["sync_fallback_steps"]
@@ -231,7 +192,7 @@ def test_bad_request_is_refused_and_others_finish(llm_async: Any) -> None:
             use_tqdm=False,
         )
     params = [{"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}] * 3
-    outputs = _generate(llm_async, _prompts()[:3], params)
+    outputs = generate(llm_async, _prompts()[:3], params)
     assert [len(o["token_ids"]) for o in outputs] == [6, 6, 6]
 
 
@@ -253,12 +214,3 @@ def test_structured_output_in_async_mode(
         ["the request is", "a token step"], params, use_tqdm=False
     )
     assert all(out.outputs[0].text in choices for out in outputs)
-
-
-if __name__ == "__main__":
-    from vllm import LLM
-
-    spec = json.loads(sys.stdin.read())
-    engine = LLM(model=spec["model"], **ENGINE)
-    results = _generate(engine, spec["prompts"], spec["params"])
-    print(_MARKER + json.dumps(results), flush=True)

@@ -49,36 +49,45 @@ def generate_in_subprocess(
     )
 
 
-def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from vllm import LLM, SamplingParams
+def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]:
+    """``llm.generate`` with keyword-argument sampling params, as JSON records."""
+    from vllm import SamplingParams
 
-    llm = LLM(model=spec["model"], **spec["engine_kwargs"])
-    sampling = spec["sampling"]
     if isinstance(sampling, list):
         params = [SamplingParams(**s) for s in sampling]
     else:
         params = SamplingParams(**sampling)
-    prompts = spec["prompts"]
     if prompts and isinstance(prompts[0], list):
         prompts = [{"prompt_token_ids": p} for p in prompts]
-    results = []
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        completion = out.outputs[0]
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = [
-                {str(tok): lp.logprob for tok, lp in step.items()}
-                for step in completion.logprobs
-            ]
-        results.append(
-            {
-                "token_ids": list(completion.token_ids),
-                "text": completion.text,
-                "finish_reason": completion.finish_reason,
-                "logprobs": logprobs,
-            }
-        )
-    return results
+    return [as_record(out) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def as_record(out: Any) -> dict[str, Any]:
+    """A ``RequestOutput``'s first completion: tokens, text, logprobs."""
+    completion = out.outputs[0]
+
+    def steps(logprobs: Any) -> list | None:
+        if logprobs is None:
+            return None
+        return [
+            None if step is None else {str(t): lp.logprob for t, lp in step.items()}
+            for step in logprobs
+        ]
+
+    return {
+        "token_ids": list(completion.token_ids),
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "logprobs": steps(completion.logprobs),
+        "prompt_logprobs": steps(out.prompt_logprobs),
+    }
+
+
+def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import LLM
+
+    llm = LLM(model=spec["model"], **spec["engine_kwargs"])
+    return generate(llm, spec["prompts"], spec["sampling"])
 
 
 if __name__ == "__main__":
