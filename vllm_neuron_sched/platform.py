@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_neuron_sched.core.limits import RequestLimits
+from vllm_neuron_sched.metrics import setup_metrics_export
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,6 +31,49 @@ POOLING_SCHEDULER = f"{_SCHED}.PoolingScheduler"
 WORKER = "vllm_neuron_sched.worker.worker.NeuronSchedWorker"
 # The decode batch is rectangular in blocks of this many tokens (tkv blocks).
 DEFAULT_BLOCK_SIZE = 64
+
+
+def check_thread_binding(num_local_workers: int) -> None:
+    """Fails fast, in the front end, where vLLM's automatic OpenMP binding
+    would fail inside the engine: ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds
+    each worker to a NUMA node of its own, so more workers than NUMA nodes
+    (TP=4 on a 2-core laptop) end in an assertion in the spawned engine core
+    that does not say which variable to set."""
+    from vllm import envs as vllm_envs
+    from vllm.utils.cpu_resource_utils import (
+        get_allowed_cpu_list,
+        get_visible_memory_node,
+    )
+
+    if (
+        num_local_workers <= 1
+        or vllm_envs.VLLM_CPU_OMP_THREADS_BIND != "auto"
+        or os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0"
+    ):
+        return
+    num_nodes = len(get_visible_memory_node())
+    if num_local_workers <= num_nodes:
+        return
+    cpus = sorted(cpu.id for cpu in get_allowed_cpu_list())
+    if len(cpus) >= num_local_workers:
+        per_worker = len(cpus) // num_local_workers
+        groups = [
+            cpus[i * per_worker : (i + 1) * per_worker]
+            for i in range(num_local_workers)
+        ]
+        binding = "|".join(
+            str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups
+        )
+    else:
+        binding = "|".join(str(cpus[r % len(cpus)]) for r in range(num_local_workers))
+    raise ValueError(
+        f"{num_local_workers} CPU workers (tensor x pipeline parallel) but "
+        f"{num_nodes} NUMA node(s) and {len(cpus)} usable core(s): vLLM's "
+        "automatic thread binding needs a NUMA node per worker. Bind the "
+        "workers' OpenMP threads yourself, one '|'-separated core list per "
+        f'worker, e.g. VLLM_CPU_OMP_THREADS_BIND="{binding}" (workers may '
+        "share cores), or VLLM_CPU_OMP_THREADS_BIND=nobind."
+    )
 
 
 class NeuronSchedPlatform(CpuPlatform):
@@ -51,6 +95,11 @@ class NeuronSchedPlatform(CpuPlatform):
             cache_config.user_specified_block_size = True
 
         super().check_and_update_config(vllm_config)
+        check_thread_binding(
+            parallel_config.tensor_parallel_size
+            * parallel_config.pipeline_parallel_size
+        )
+        setup_metrics_export()
 
         is_pooling = model_config is not None and model_config.runner_type == "pooling"
         if is_pooling and requested_async:

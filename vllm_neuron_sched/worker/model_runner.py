@@ -13,6 +13,8 @@ sampled tokens enter it as placeholders at enqueue and are filled in here from
 materialized outputs, never by the async output thread.
 """
 
+import hashlib
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ from vllm_neuron_sched.worker.sampling import (
     sample_on_device,
     snapshot_sampling_metadata,
 )
+from vllm_neuron_sched.worker.timeline import StepTimeline
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,15 +112,25 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.tp_rank = get_tp_group().rank_in_group
         self.accelerator = make_device(name=f"tp{self.tp_rank}")
+        if self.accelerator.name != "inline":
+            _unbind_host_thread()
         self.model: Any = None
         self.flow = AsyncFlow(self._materialize_pending)
         self.dead_tokens = 0
         self._in_flight: deque[InFlightStep] = deque()
+        # TP consistency (get_rank_state): most steps ever in flight at once,
+        # and a digest of every finished request's final token history.
+        self._max_in_flight = 0
+        self._finished_digest = hashlib.sha256()
         self._forward: ForwardState | None = None
         self._direct_output: ModelRunnerOutput | None = None
         self._stats_logged_at = time.monotonic()
         self._init_request_states()
         self._init_kv_cache_state()
+        # Benchmarks only (VLLM_NEURON_SCHED_TIMELINE): None = not recorded.
+        self.timeline = StepTimeline.from_env()
+        if self.timeline is not None:
+            self.timeline.instrument(self)
 
     # ---- engine-facing API -------------------------------------------------
 
@@ -146,6 +159,29 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
 
     def get_async_scheduling_stats(self) -> dict[str, int]:
         return {**self.flow.stats(), "dead_tokens": self.dead_tokens}
+
+    def get_rank_state(self) -> dict[str, Any]:
+        """In-flight steps and a digest of the host token histories, after
+        waiting for those steps: equal on every TP rank when no rank drifts."""
+        num_in_flight = len(self._in_flight)
+        self._retire_in_flight(keep_latest=False)
+        digest = hashlib.sha256()
+        for req_id in sorted(self.requests):
+            state = self.requests[req_id]
+            digest.update(f"{req_id}:{state.output_token_ids};".encode())
+            row = self.input_batch.req_id_to_index.get(req_id)
+            if row is not None:
+                num_tokens = int(self.input_batch.num_tokens_no_spec[row])
+                tokens = self.input_batch.token_ids_cpu[row, :num_tokens].tolist()
+                digest.update(f"{tokens};".encode())
+        return {
+            "tp_rank": self.tp_rank,
+            "in_flight_steps": num_in_flight,
+            "max_in_flight_steps": self._max_in_flight,
+            "finished_digest": self._finished_digest.hexdigest(),
+            "num_requests": len(self.requests),
+            "history_digest": digest.hexdigest(),
+        }
 
     def shutdown(self) -> None:
         self.accelerator.shutdown(wait=False)
@@ -200,6 +236,11 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             sampled = self._in_flight[-1].placeholder_index
             self.dead_tokens += len(scheduler_output.finished_req_ids & sampled.keys())
         self.flow.guard(scheduler_output.num_scheduled_tokens)
+        if finished := sorted(scheduler_output.finished_req_ids & self.requests.keys()):
+            self._retire_in_flight(keep_latest=False)  # no-op after the guard
+            for req_id in finished:
+                history = self.requests[req_id].output_token_ids
+                self._finished_digest.update(f"{req_id}:{history};".encode())
         self._maybe_log_stats()
 
     def _prepare_inputs(
@@ -322,6 +363,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         )
         self._add_placeholders(step, inputs)
         self._in_flight.append(step)
+        self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
         return step
 
     def _history_repair(
@@ -405,3 +447,15 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             stats["prefill_steps"],
             stats["dead_tokens"],
         )
+
+
+def _unbind_host_thread() -> None:
+    """On CPU the "device" is the cores the CPU worker bound this thread to:
+    the device thread, already started, keeps them. This (host) thread, and
+    the executor's output thread started after it, may use any core, so host
+    work overlaps the device instead of time-slicing with it on one core."""
+    if hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError as exc:
+            logger.debug("Host thread keeps its CPU binding: %s", exc)

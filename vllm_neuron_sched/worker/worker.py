@@ -1,13 +1,14 @@
 """The worker: vLLM's CPU worker (thread binding, distributed init, memory
 sizing) with our model runner in place of ``CPUModelRunner``."""
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_neuron_sched.metrics import CounterPublisher
 from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
 
 if TYPE_CHECKING:
@@ -26,19 +27,25 @@ class NeuronSchedWorker(CPUWorker):
         (thread binding, distributed init, seeding) without copying it.
         """
         self.use_v2_model_runner = False
+        self._counters: CounterPublisher | None = None
         if self.model_config.runner_type != "generate":
             # Pooling runs whole static batches, synchronously: vLLM's runner.
             super().init_device()
             return
         with mock.patch.object(cpu_worker, "CPUModelRunner", NeuronSchedModelRunner):
             super().init_device()
+        if self.model_runner.tp_rank == 0:
+            self._counters = CounterPublisher.from_env()
 
     @torch.inference_mode()
     def execute_model(
         self, scheduler_output: "SchedulerOutput"
     ) -> "ModelRunnerOutput | None":
         """Enqueues the step's forward; None means sample_tokens() follows."""
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if self._counters is not None:
+            self._counters.publish(self.model_runner.get_async_scheduling_stats())
+        return output
 
     @torch.inference_mode()
     def sample_tokens(
@@ -53,3 +60,22 @@ class NeuronSchedWorker(CPUWorker):
         if not isinstance(self.model_runner, NeuronSchedModelRunner):
             return {"async_steps": 0, "sync_fallback_steps": 0, "prefill_steps": 0}
         return self.model_runner.get_async_scheduling_stats()
+
+    def get_rank_state(self) -> dict[str, Any]:
+        """This rank's in-flight steps and host-history digest, for TP
+        consistency checks: ``collective_rpc("get_rank_state")``."""
+        if not isinstance(self.model_runner, NeuronSchedModelRunner):
+            return {}
+        return self.model_runner.get_rank_state()
+
+    def get_step_timeline(self, clear: bool = False) -> dict[str, Any] | None:
+        """Recorded host/device intervals per step (worker/timeline.py), or
+        None unless VLLM_NEURON_SCHED_TIMELINE=1: the benchmarks' timeline."""
+        timeline = getattr(self.model_runner, "timeline", None)
+        return None if timeline is None else timeline.snapshot(clear)
+
+    def set_sim_device_ms(self, sim_device_ms: float) -> None:
+        """Changes the simulated device latency of a running engine, so a
+        benchmark sweeps it without restarting (see envs.py)."""
+        if isinstance(self.model_runner, NeuronSchedModelRunner):
+            self.model_runner.accelerator.sim_device_s = sim_device_ms / 1000.0

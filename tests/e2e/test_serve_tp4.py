@@ -1,0 +1,394 @@
+"""``vllm serve`` with TP=4 and async scheduling, through the OpenAI API.
+
+One TP=4 server per module (a subprocess on a free loopback port, always
+stopped by killing its process group). Four workers share two cores with
+``VLLM_CPU_OMP_THREADS_BIND="0|1|0|1"``. Greedy float32 outputs must equal
+our platform at TP=1 and stock vLLM CPU (``VLLM_NEURON_SCHED_DISABLE=1``);
+the per-rank state must agree across ranks; aborted streams free their
+blocks; bad requests get a 400 while others are served; ``/metrics`` shows
+the async scheduling counters.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from vllm_neuron_sched.metrics import METRICS_DIR_ENV
+from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+TP = 4
+MODEL = "tiny-llama"
+THREADS_BIND = "0|1|0|1"
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "seed": 0,
+    "enforce_eager": True,
+}
+START_TIMEOUT_S = 300
+MAX_TOKENS = 16
+# Prompt lengths cross a KV block (64 tokens) and differ, so requests finish
+# at different steps.
+PROMPT_LENGTHS = [5, 33, 70, 12]
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server_args(checkpoint_dir: str, port: int) -> list[str]:
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        checkpoint_dir,
+        "--served-model-name",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(TP),
+    ]
+    for key, value in ENGINE.items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+        self.url = url
+        self.proc = proc
+        self.log = log
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120
+        )
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+@pytest.fixture(scope="module")
+def server(
+    checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve_tp4") / "server.log"
+    env = {
+        **{k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV},
+        "VLLM_CPU_OMP_THREADS_BIND": THREADS_BIND,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        # Exposes POST /collective_rpc (the per-rank state check).
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            _server_args(checkpoint_dir, port),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited at start-up:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(
+        f"server not healthy in {START_TIMEOUT_S}s:\n{server.log_tail()}"
+    )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+async def _metrics(server: Server) -> dict[str, float]:
+    """Unlabelled-by-us samples of /metrics, summed over label sets."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{server.url}/metrics", timeout=30)).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([-+\w.]+)$", line)
+        if match:
+            name = match.group(1)
+            values[name] = values.get(name, 0.0) + float(match.group(3))
+    return values
+
+
+async def _rank_states(server: Server) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            f"{server.url}/collective_rpc",
+            json={"method": "get_rank_state"},
+            timeout=60,
+        )
+    response.raise_for_status()
+    return response.json()["results"]
+
+
+async def _complete(
+    client: openai.AsyncOpenAI, prompt: list[int], stream: bool, **kwargs: Any
+) -> list[int]:
+    """Greedy token ids of one completion, streamed or not."""
+    extra_body = {"ignore_eos": True, "return_token_ids": True}
+    extra_body.update(kwargs.pop("extra_body", {}))
+    params = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "extra_body": extra_body,
+        **kwargs,
+    }
+    if not stream:
+        response = await client.completions.create(**params)
+        return list(response.choices[0].token_ids)
+    token_ids: list[int] = []
+    async for chunk in await client.completions.create(stream=True, **params):
+        token_ids += chunk.choices[0].token_ids or []
+    return token_ids
+
+
+@pytest.fixture
+def client(server: Server) -> openai.AsyncOpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def oracle_tokens(checkpoint_dir: str) -> dict[str, list[list[int]]]:
+    """Greedy tokens of our platform at TP=1 and of stock vLLM CPU."""
+    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    engine = {**ENGINE, "max_num_seqs": 4}
+    runs = {
+        "tp1": {},
+        "stock": {"VLLM_NEURON_SCHED_DISABLE": "1"},
+    }
+    return {
+        name: [
+            r["token_ids"]
+            for r in generate_in_subprocess(
+                checkpoint_dir, _prompts(), sampling, engine, env=env
+            )
+        ]
+        for name, env in runs.items()
+    }
+
+
+async def test_concurrent_completions_equal_tp1_and_stock_vllm(
+    client: openai.AsyncOpenAI, oracle_tokens: dict[str, list[list[int]]]
+) -> None:
+    prompts = _prompts()
+    results = await asyncio.gather(
+        *(
+            _complete(client, prompt, stream=i % 2 == 0)
+            for i, prompt in enumerate(prompts)
+        ),
+        *(
+            _complete(client, prompt, stream=i % 2 == 1)
+            for i, prompt in enumerate(prompts)
+        ),
+    )
+    first, second = results[: len(prompts)], results[len(prompts) :]
+    assert all(len(tokens) == MAX_TOKENS for tokens in first)
+    assert first == second  # streamed == non-streamed
+    assert first == oracle_tokens["tp1"]
+    assert first == oracle_tokens["stock"]
+
+
+async def test_chat_streaming_equals_non_streaming(client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "user", "content": "the request token step batch"}]
+    params = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole, stream = await asyncio.gather(
+        client.chat.completions.create(**params),
+        client.chat.completions.create(stream=True, **params),
+    )
+    streamed = ""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            streamed += chunk.choices[0].delta.content
+    assert whole.usage.completion_tokens == MAX_TOKENS
+    assert whole.choices[0].message.content == streamed
+    assert streamed
+
+
+async def test_ranks_agree_and_futures_stay_bounded(
+    server: Server, client: openai.AsyncOpenAI
+) -> None:
+    """Every rank ends with the same token histories (the non-output ranks,
+    whose outputs nobody reads, do not drift) and never holds more than two
+    steps in flight; two at once shows the depth-2 batch queue at work."""
+    before = await _rank_states(server)
+    prompts = [prompt[:8] for prompt in _prompts()]
+    *_, mid_run = await asyncio.gather(
+        *(_complete(client, p, stream=True, max_tokens=64) for p in prompts),
+        _rank_states(server),  # mid-run when the server is quick enough
+    )
+    after = await _rank_states(server)
+    for states in (before, mid_run, after):
+        assert sorted(s["tp_rank"] for s in states) == list(range(TP))
+        assert len({s["history_digest"] for s in states}) == 1, states
+        assert len({s["finished_digest"] for s in states}) == 1, states
+        assert all(s["max_in_flight_steps"] <= 2 for s in states), states
+    assert after[0]["finished_digest"] != before[0]["finished_digest"]
+    assert all(s["max_in_flight_steps"] == 2 for s in after), after
+    assert all(s["in_flight_steps"] == 0 for s in after), after
+
+
+_DISCONNECTING_CLIENT = """
+import http.client, sys, urllib.parse
+url = urllib.parse.urlparse(sys.argv[1])
+conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+headers = {"Content-Type": "application/json"}
+conn.request("POST", "/v1/completions", sys.argv[2], headers)
+response = conn.getresponse()
+assert response.status == 200, response.status
+num_chunks = 0
+while num_chunks < 3:
+    num_chunks += response.fp.readline().startswith(b"data:")
+"""
+
+
+async def test_aborted_stream_frees_its_blocks(
+    server: Server, client: openai.AsyncOpenAI
+) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": _prompts()[0],
+        "max_tokens": 200,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    # A client process that reads three chunks and exits: its socket closes.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DISCONNECTING_CLIENT, server.url, json.dumps(body)
+    )
+    assert await asyncio.wait_for(proc.wait(), timeout=120) == 0
+    other = await _complete(client, _prompts()[0], stream=False)
+    assert len(other) == MAX_TOKENS
+
+    deadline = time.monotonic() + 60
+    while True:
+        after = await _metrics(server)
+        idle = (
+            after["vllm:num_requests_running"] == 0
+            and after["vllm:kv_cache_usage_perc"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 1000}, "cannot be greater than max_model_len=256"),
+        ({"logprobs": 50}, "greater than max allowed: 20"),
+        ({"prompt": list(range(10, 310))}, "maximum context length is 256"),
+    ],
+    ids=["max_tokens", "logprobs", "prompt_too_long"],
+)
+async def test_bad_request_is_400_while_others_are_served(
+    client: openai.AsyncOpenAI, kwargs: dict[str, Any], message: str
+) -> None:
+    good = asyncio.create_task(_complete(client, _prompts()[1], stream=True))
+    params = {
+        "model": MODEL,
+        "prompt": _prompts()[0],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        **kwargs,
+    }
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.completions.create(**params)
+    assert error.value.status_code == 400
+    assert message in str(error.value)
+    assert len(await good) == MAX_TOKENS
+
+
+async def test_metrics_count_async_steps_and_dead_tokens(
+    server: Server, client: openai.AsyncOpenAI
+) -> None:
+    prompt = _prompts()[1]
+    greedy = await _complete(client, prompt, stream=False)
+    # A token that greedy decoding produces first at a position >= 3: a
+    # request that stops on it ends mid-run, with the next step scheduled.
+    stop_at = next(i for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    before = await _metrics(server)
+
+    stopped = await _complete(
+        client, prompt, stream=False, extra_body={"stop_token_ids": [greedy[stop_at]]}
+    )
+    assert stopped == greedy[: stop_at + 1]
+
+    deadline = time.monotonic() + 30
+    name = "vllm:neuron_sched_dead_tokens_total"
+    while True:
+        after = await _metrics(server)
+        if after.get(name, 0) > before.get(name, 0) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert after[name] > before.get(name, 0)
+    assert after["vllm:neuron_sched_async_steps_total"] > 0
+    assert after["vllm:neuron_sched_sync_fallback_steps_total"] >= 0
+    assert after["vllm:neuron_sched_prefill_steps_total"] > 0

@@ -1,0 +1,97 @@
+"""Prometheus counters of the async flow, on the API server's ``/metrics``.
+
+The counters live in the worker processes, two spawns away from the API
+server. vLLM's own multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``) cannot be
+switched on from a plugin: ``prometheus_client`` fixes its value class when it
+is imported, which the API server does before our platform runs, so setting the
+variable then hides every front-end metric of vLLM's from ``/metrics``.
+Instead, the front end makes a directory of its own, registers a
+``MultiProcessCollector`` for it on the default registry (the one ``/metrics``
+serves) and hands the path to its children in
+``VLLM_NEURON_SCHED_METRICS_DIR``; the driver worker writes its counters there
+in prometheus_client's multiprocess file format (a memory write per step).
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+
+from prometheus_client import REGISTRY
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
+from vllm.logger import init_logger
+
+from vllm_neuron_sched import envs
+
+logger = init_logger(__name__)
+
+METRICS_DIR_ENV = "VLLM_NEURON_SCHED_METRICS_DIR"
+
+# Stats key (worker.get_async_scheduling_stats) -> (counter name, help).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "async_steps": (
+        "vllm:neuron_sched_async_steps",
+        "Decode steps whose input ids were the previous step's sampled-token "
+        "future, without a host round trip.",
+    ),
+    "sync_fallback_steps": (
+        "vllm:neuron_sched_sync_fallback_steps",
+        "Decode steps that broke the async flow: host-built inputs (request set "
+        "changed) or a remapped future (same set, new order).",
+    ),
+    "prefill_steps": (
+        "vllm:neuron_sched_prefill_steps",
+        "Prompt-chunk steps (host inputs by nature).",
+    ),
+    "dead_tokens": (
+        "vllm:neuron_sched_dead_tokens",
+        "Tokens computed for requests that had already finished (EOS, stop "
+        "token or string): the run-ahead step, discarded.",
+    ),
+}
+
+
+def setup_metrics_export() -> None:
+    """In the front-end process, before the engine is spawned: once.
+
+    A child process inherits the variable and does nothing here.
+    """
+    if envs.VLLM_NEURON_SCHED_METRICS_DIR:
+        return
+    directory = tempfile.mkdtemp(prefix="vllm_neuron_sched_metrics_")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ[METRICS_DIR_ENV] = directory
+    MultiProcessCollector(REGISTRY, path=directory)
+    logger.debug("Async scheduling counters are exported from %s", directory)
+
+
+class CounterPublisher:
+    """Writes one worker's counters where the front end's collector reads
+    them. Only one rank publishes: every rank runs the same flow."""
+
+    def __init__(self, directory: str) -> None:
+        self._file = MmapedDict(os.path.join(directory, f"counter_{os.getpid()}.db"))
+        self._published: dict[str, int] = {}
+
+    @classmethod
+    def from_env(cls) -> "CounterPublisher | None":
+        directory = envs.VLLM_NEURON_SCHED_METRICS_DIR
+        if not directory or not os.path.isdir(directory):
+            return None
+        return cls(directory)
+
+    def publish(self, stats: dict[str, int]) -> None:
+        now = time.time()
+        for key, (name, help_text) in COUNTERS.items():
+            value = stats.get(key, 0)
+            if self._published.get(key) == value:
+                continue
+            self._published[key] = value
+            self._file.write_value(
+                mmap_key(name, f"{name}_total", [], [], help_text), float(value), now
+            )
+
+    def close(self) -> None:
+        self._file.close()
