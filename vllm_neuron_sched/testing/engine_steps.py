@@ -111,7 +111,7 @@ class EngineStepper:
         eos_token_id: int,
         **engine_kwargs: Any,
     ) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm.envs as vllm_envs
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -130,7 +130,19 @@ class EngineStepper:
                 **engine_kwargs,
             },
         )
-        self.engine = LLMEngine.from_engine_args(args)
+        # In-process engine core and worker; set only while building it, so
+        # engines made later in this process keep vLLM's default (the engine
+        # core also freezes vLLM's env cache, which is undone below).
+        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self.engine = LLMEngine.from_engine_args(args)
+        finally:
+            if saved is None:
+                del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+            vllm_envs.disable_envs_cache()
         self.core = self.engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.eos_token_id = eos_token_id
