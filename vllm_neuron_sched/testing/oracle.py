@@ -44,8 +44,16 @@ def generate_in_subprocess(
     for line in proc.stdout.splitlines():
         if line.startswith(_MARKER):
             return json.loads(line[len(_MARKER) :])
+    # The root cause can sit far above the tail (shutdown logs follow it).
+    error_lines = dict.fromkeys(
+        line.strip()
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if "Error" in line
+    )
     raise RuntimeError(
-        f"generation subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+        f"generation subprocess failed (rc {proc.returncode}):\n"
+        + "\n".join(error_lines)[-4000:]
+        + f"\n--- stderr tail ---\n{proc.stderr[-6000:]}"
     )
 
 
