@@ -42,7 +42,7 @@ class ThreadDevice(Device):
         with self._idle:
             self._idle.wait_for(lambda: not self._unfinished)
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> None:
         abandoned: list[DeviceFuture[object]] = []
         with self._lock:
             if not self._is_shut_down:
@@ -59,7 +59,11 @@ class ThreadDevice(Device):
                 )
             )
         if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning(
+                    "Device %s still running %s s into shutdown", self.label, timeout_s
+                )
 
     def _submit(self, execution: Execution) -> None:
         with self._lock:
@@ -97,7 +101,7 @@ class InlineDevice(Device):
     def synchronize(self) -> None:
         """Nothing to wait for: each execution completed inside its enqueue."""
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> None:
         self._is_shut_down = True
 
     def _submit(self, execution: Execution) -> None:

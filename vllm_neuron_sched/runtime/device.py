@@ -64,9 +64,11 @@ class Device(ABC):
         """Waits until every execution enqueued so far has completed."""
 
     @abstractmethod
-    def shutdown(self, wait: bool = True) -> None:
-        """Stops the device (idempotent). wait=True completes queued work;
-        wait=False fails unfinished futures with DeviceShutdownError."""
+    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> None:
+        """Stops the device (idempotent). wait=True completes queued work and
+        returns once the device has stopped (or ``timeout_s`` passed), so
+        nothing an execution uses is released under it; wait=False fails
+        unfinished futures with DeviceShutdownError and returns at once."""
 
     @abstractmethod
     def _submit(self, execution: Execution) -> None:

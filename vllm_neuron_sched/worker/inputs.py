@@ -46,8 +46,9 @@ class StepInputs:
     # [num_reqs] True where the row reaches the end of its known tokens and so
     # samples; False for a prompt chunk that is not the last.
     is_sampled: np.ndarray
-    # layer name -> attention metadata of the layer's backend.
-    attn_metadata: dict[str, Any]
+    # Per attention group: the plain metadata the backend's builder turns
+    # into its own on the device thread (build_attention_metadata).
+    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]"
     # layer name -> [num_tokens_padded] int64 KV slot (padded: PAD_SLOT_ID).
     slot_mapping: dict[str, torch.Tensor]
     # Some real input token is a placeholder (its value is still on device).
@@ -109,7 +110,7 @@ def build_step_inputs(
     seq_lens_np = num_computed + num_scheduled
     seq_lens = torch.from_numpy(seq_lens_np.astype(np.int32))
 
-    attn_metadata: dict[str, Any] = {}
+    attn_inputs: list[tuple[AttentionGroup, CommonAttentionMetadata]] = []
     slot_mapping: dict[str, torch.Tensor] = {}
     for group in attn_groups:
         gid = group.kv_cache_group_id
@@ -133,9 +134,8 @@ def build_step_inputs(
             slot_mapping=slots,
             positions=positions[:num_tokens],
         )
-        metadata = group.build_metadata(common)
+        attn_inputs.append((group, common))
         for layer_name in group.layer_names:
-            attn_metadata[layer_name] = metadata
             slot_mapping[layer_name] = slots
 
     return StepInputs(
@@ -149,7 +149,22 @@ def build_step_inputs(
         positions=positions,
         logits_indices=torch.from_numpy(cu_num_tokens.astype(np.int64) - 1),
         is_sampled=num_computed + num_scheduled >= num_known,
-        attn_metadata=attn_metadata,
+        attn_inputs=attn_inputs,
         slot_mapping=slot_mapping,
         has_placeholders=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
     )
+
+
+def build_attention_metadata(
+    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
+) -> dict[str, Any]:
+    """layer name -> its backend's metadata. Device thread only: vLLM's CPU
+    builder sizes the process-global scratchpad (its realloc frees the old
+    buffer) that the running forward's kernels read, so it must not run on
+    the host while an execution is in flight."""
+    attn_metadata: dict[str, Any] = {}
+    for group, common in attn_inputs:
+        metadata = group.build_metadata(common)
+        for layer_name in group.layer_names:
+            attn_metadata[layer_name] = metadata
+    return attn_metadata

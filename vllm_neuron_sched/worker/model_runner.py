@@ -45,6 +45,7 @@ from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.inputs import (
     PLACEHOLDER_TOKEN_ID,
     StepInputs,
+    build_attention_metadata,
     build_step_inputs,
 )
 from vllm_neuron_sched.worker.kv_cache import KVCacheMixin
@@ -63,6 +64,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
 logger = init_logger(__name__)
+
+# A device that has not drained by then is hung; the process exits regardless.
+_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -184,7 +188,9 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         }
 
     def shutdown(self) -> None:
-        self.accelerator.shutdown(wait=False)
+        """Drains the device before the worker releases what it uses (the
+        model, the KV cache, the process): at most two steps are queued."""
+        self.accelerator.shutdown(wait=True, timeout_s=_SHUTDOWN_TIMEOUT_S)
 
     @torch.inference_mode()
     def execute_model(
@@ -285,7 +291,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             choice.tokens if choice.uses_future else inputs.input_ids,
             row_map,
             inputs.positions,
-            inputs.attn_metadata,
+            inputs.attn_inputs,
             inputs.slot_mapping,
             inputs.num_tokens_padded,
             inputs.logits_indices if inputs.has_samples else None,
@@ -298,7 +304,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         input_ids: torch.Tensor,
         row_map: torch.Tensor | None,
         positions: torch.Tensor,
-        attn_metadata: dict[str, Any],
+        attn_inputs: list[tuple[Any, Any]],
         slot_mapping: dict[str, torch.Tensor],
         num_tokens_padded: int,
         logits_indices: torch.Tensor | None,
@@ -311,7 +317,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
                 remapped[: row_map.shape[0]] = input_ids[row_map]
                 input_ids = remapped
             with set_forward_context(
-                attn_metadata,
+                build_attention_metadata(attn_inputs),
                 self.vllm_config,
                 num_tokens=num_tokens_padded,
                 slot_mapping=slot_mapping,

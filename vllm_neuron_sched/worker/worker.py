@@ -54,6 +54,13 @@ class NeuronSchedWorker(CPUWorker):
         """Enqueues on-device sampling; async mode returns a future output."""
         return self.model_runner.sample_tokens(grammar_output)
 
+    def shutdown(self) -> None:
+        """Stops the device thread first: torch work running in it while the
+        interpreter tears the process down aborts it."""
+        if isinstance(self.model_runner, NeuronSchedModelRunner):
+            self.model_runner.shutdown()
+        super().shutdown()
+
     def get_async_scheduling_stats(self) -> dict[str, int]:
         """async_steps, sync_fallback_steps, prefill_steps, dead_tokens;
         reachable with ``LLM.collective_rpc("get_async_scheduling_stats")``."""

@@ -1,0 +1,86 @@
+"""An execution owns every buffer it reads until its future resolves, vLLM's
+process-global CPU scratchpad included.
+
+vLLM 0.32's CPU extension keeps one scratchpad per process; its ``realloc``
+frees the old buffer, unlocked, when a request outgrows it. If the host thread
+builds attention metadata (which may grow it) while the device thread runs a
+forward that reads it, the forward reads freed memory: heap corruption about
+one start in eight. ``native/always_move_scratchpad.c``, preloaded, moves the
+buffer on every call and faults on any stale access, so the race is certain
+wherever the code allows it, sync or async.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+
+pytestmark = pytest.mark.slow
+
+SHIM_SOURCE = Path(__file__).parent / "native" / "always_move_scratchpad.c"
+# Prompts longer than the 32-token chunk: their non-final chunks return from
+# execute_model while the device still runs them, so even sync mode builds the
+# next step's inputs during a forward.
+PROMPT_LENGTHS = [70, 9, 45, 100, 20, 33]
+MAX_TOKENS = [24, 30, 12, 18, 28, 16]
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "seed": 0,
+    "enforce_eager": True,
+}
+
+
+def _c_compiler() -> list[str]:
+    """The system's C compiler, else zig's (the ``ziglang`` wheel in the test
+    extra), so the README's set-up always provides one."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+        if candidate and (path := shutil.which(candidate.split()[0])):
+            return [path]
+    return [sys.executable, "-m", "ziglang", "cc"]
+
+
+@pytest.fixture(scope="module")
+def always_move_scratchpad(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    library = tmp_path_factory.mktemp("native") / "libalways_move_scratchpad.so"
+    command = [*_c_compiler(), "-shared", "-fPIC", "-O2", "-o", str(library)]
+    subprocess.run([*command, str(SHIM_SOURCE)], check=True)
+    return library
+
+
+def _prompts() -> list[list[int]]:
+    return [[(11 * i + 7 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_generate_with_a_scratchpad_that_moves_on_every_realloc(
+    checkpoint_dir: str,
+    always_move_scratchpad: Path,
+    tmp_path: Path,
+    async_scheduling: bool,
+) -> None:
+    log = tmp_path / "scratchpad_threads.log"
+    sampling = [
+        {"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in MAX_TOKENS
+    ]
+    results = generate_in_subprocess(
+        checkpoint_dir,
+        _prompts(),
+        sampling,
+        {**ENGINE, "async_scheduling": async_scheduling},
+        env={
+            "LD_PRELOAD": str(always_move_scratchpad),
+            "SCRATCHPAD_LOG": str(log),
+        },
+    )
+    assert [len(r["token_ids"]) for r in results] == MAX_TOKENS
+    # The library was interposed: the worker's scratchpad went through it.
+    assert log.exists() and log.read_text().strip(), "the shim was never called"
