@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     VLLM_NEURON_SCHED_DISABLE: bool = False
-    VLLM_NEURON_SCHED_DEVICE: str = "thread"
+    VLLM_NEURON_SCHED_DEVICE: str = "auto"
     VLLM_NEURON_SCHED_SIM_DEVICE_MS: float = 0.0
     VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT: int = 0
     VLLM_NEURON_SCHED_PREFILL_INTERLEAVING: bool = True
@@ -30,9 +30,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1": do not activate the platform; stock vLLM CPU runs (the tests' oracle).
     "VLLM_NEURON_SCHED_DISABLE": _bool("VLLM_NEURON_SCHED_DISABLE", "0"),
     # Device runtime backend: "thread" (a device thread per worker), "inline"
-    # (runs at enqueue: the synchronous baseline) or "neuron" (torch-neuronx).
+    # (runs at enqueue on the worker's thread), "neuron" (torch-neuronx), or
+    # "auto": inline when the device is the worker's own cores, thread when a
+    # simulated device latency is set (runtime/backends.py says why).
     "VLLM_NEURON_SCHED_DEVICE": lambda: os.getenv(
-        "VLLM_NEURON_SCHED_DEVICE", "thread"
+        "VLLM_NEURON_SCHED_DEVICE", "auto"
     ).lower(),
     # Each device execution also holds the device this many milliseconds
     # without using a core, to measure overlap on its own. 0 = off.

@@ -79,6 +79,8 @@ def test_generate_with_a_scratchpad_that_moves_on_every_realloc(
         env={
             "LD_PRELOAD": str(always_move_scratchpad),
             "SCRATCHPAD_LOG": str(log),
+            # Two threads share the scratchpad only with a device thread.
+            "VLLM_NEURON_SCHED_DEVICE": "thread",
         },
     )
     assert [len(r["token_ids"]) for r in results] == MAX_TOKENS

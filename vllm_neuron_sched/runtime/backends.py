@@ -92,6 +92,7 @@ class InlineDevice(Device):
     baseline. Errors still surface only at ``result()``, as on a real device."""
 
     name = "inline"
+    runs_at_enqueue = True
 
     def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
         super().__init__(label, sim_device_ms)
@@ -145,14 +146,27 @@ def make_device(
     kind: str | None = None, sim_device_ms: float | None = None, name: str = "device"
 ) -> Device:
     """The device a worker runs on; unset arguments come from ``envs``
-    (VLLM_NEURON_SCHED_DEVICE, VLLM_NEURON_SCHED_SIM_DEVICE_MS)."""
+    (VLLM_NEURON_SCHED_DEVICE, VLLM_NEURON_SCHED_SIM_DEVICE_MS).
+
+    ``auto`` picks ``inline`` when the device is the CPU worker's own cores
+    and ``thread`` when executions also hold a simulated device. On the CPU
+    a device thread can only time-slice with the worker's thread on the cores
+    vLLM bound the worker to, and every torch op it dispatches takes the
+    interpreter lock back from the host thread: measured, it loses to running
+    inline (benchmarks/README.md). The overlap that async scheduling buys on
+    the CPU is the engine core's, in its own process, which either backend
+    keeps. A simulated (or real) device frees the worker's cores while it
+    runs, and only a device thread lets the host use them meanwhile.
+    """
     kind = (kind or envs.VLLM_NEURON_SCHED_DEVICE).lower()
     if sim_device_ms is None:
         sim_device_ms = envs.VLLM_NEURON_SCHED_SIM_DEVICE_MS
+    if kind == "auto":
+        kind = "thread" if sim_device_ms > 0 else "inline"
     backend = _BACKENDS.get(kind)
     if backend is None:
         raise ValueError(
-            f"unknown device kind {kind!r}; valid kinds: {', '.join(_BACKENDS)}"
+            f"unknown device kind {kind!r}; valid kinds: auto, {', '.join(_BACKENDS)}"
         )
     if sim_device_ms < 0:
         raise ValueError(f"sim_device_ms must be >= 0, got {sim_device_ms}")

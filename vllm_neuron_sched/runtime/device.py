@@ -29,6 +29,7 @@ class Execution:
     args: tuple[Any, ...]  # may hold DeviceFutures, nested in list/tuple/dict
     kwargs: dict[str, Any]  # same
     future: DeviceFuture[Any]
+    tag: int = 0  # the host's ``Device.tag`` at enqueue (the worker's step)
 
 
 class Device(ABC):
@@ -39,6 +40,9 @@ class Device(ABC):
     """
 
     name: str = "device"  # backend kind: "thread" | "inline" | "neuron"
+    # True: an execution completes inside enqueue(), on the caller's thread,
+    # so nothing it reads can change under it.
+    runs_at_enqueue: bool = False
 
     def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
         self.label = label  # names the device thread and log lines
@@ -48,6 +52,11 @@ class Device(ABC):
         self._busy_s = 0.0
         # Reliability tests: this execution (1-based) raises; 0 = never.
         self.fault_at_execution = envs.VLLM_NEURON_SCHED_FAULT_AT_EXECUTION
+        # Set by the host before it enqueues; carried by each execution.
+        self.tag = 0
+        # Called after each execution on the thread that ran it, with its
+        # label, tag and perf_counter start and end (the step timeline).
+        self.on_execution: Callable[[str, int, float, float], None] | None = None
 
     def enqueue(
         self, fn: Callable[..., T], *args: Any, **kwargs: Any
@@ -56,7 +65,7 @@ class Device(ABC):
         by their results on the device side, never by a host read here."""
         fn_name = getattr(fn, "__qualname__", repr(fn))
         future: DeviceFuture[T] = DeviceFuture(f"{self.label}:{fn_name}")
-        self._submit(Execution(fn, args, kwargs, future))
+        self._submit(Execution(fn, args, kwargs, future, self.tag))
         return future
 
     @abstractmethod
@@ -107,18 +116,20 @@ class Device(ABC):
             value = execution.fn(*args, **kwargs)
         except Exception as exc:
             logger.debug("Device %s: %s raised %r", self.label, future._label, exc)
-            self._hold_and_record(start)
+            self._hold_and_record(execution, start)
             future._set_exception(exc)
         else:
-            self._hold_and_record(start)
+            self._hold_and_record(execution, start)
             future._set_result(value)
 
-    def _hold_and_record(self, start: float) -> None:
+    def _hold_and_record(self, execution: Execution, start: float) -> None:
         """Simulated latency: the device stays held (the output not ready)
         without using a core, so overlap can be measured on CPU."""
         if self.sim_device_s > 0:
             time.sleep(self.sim_device_s)
-        busy_s = time.perf_counter() - start
+        end = time.perf_counter()
         with self._stats_lock:
             self._num_executions += 1
-            self._busy_s += busy_s
+            self._busy_s += end - start
+        if self.on_execution is not None:
+            self.on_execution(execution.future._label, execution.tag, start, end)

@@ -12,12 +12,13 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_neuron_sched.worker.async_flow import StepKind
+from vllm_neuron_sched.worker.async_flow import PAD_SLOT, BatchShape
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
+    from vllm_neuron_sched.worker.async_flow import DeviceTokens
     from vllm_neuron_sched.worker.buckets import Buckets
 
 # Token placeholder in host state for a sampled token still on the device.
@@ -30,15 +31,20 @@ PAD_SLOT_ID = -1
 class StepInputs:
     # [num_reqs] request ids, in input-batch row order (the output order).
     req_ids: list[str]
-    kind: StepKind
+    shape: BatchShape
     # [num_reqs] tokens scheduled per row.
     num_scheduled: np.ndarray
     # [num_reqs] num_computed_tokens per row before this step.
     num_computed: np.ndarray
     num_tokens: int  # real tokens
     num_tokens_padded: int  # the static shape run on the device
-    # [num_tokens_padded] int32; padded entries 0.
+    # [num_tokens_padded] int32; padded entries 0. Decode rows' entries are
+    # overwritten on the device from the token table (below).
     input_ids: torch.Tensor
+    # Decode rows: [num_decode] int64 positions in input_ids, and the token
+    # slots to read them from; None when no row decodes.
+    device_token_positions: torch.Tensor | None
+    device_token_slots: torch.Tensor | None
     # [num_tokens_padded] int64; padded entries 0.
     positions: torch.Tensor
     # [num_reqs] int64: the row's last token, whose logits are sampled.
@@ -51,8 +57,14 @@ class StepInputs:
     attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]"
     # layer name -> [num_tokens_padded] int64 KV slot (padded: PAD_SLOT_ID).
     slot_mapping: dict[str, torch.Tensor]
-    # Some real input token is a placeholder (its value is still on device).
-    has_placeholders: bool
+    # [num_reqs] int64 token slot each row's sampled token is written to
+    # (PAD_SLOT for rows that do not sample).
+    sample_slots: torch.Tensor
+    # [num_reqs] the rows' token slots (for history repairs).
+    token_slots: np.ndarray
+    # A non-decode input token is a placeholder: host state is behind the
+    # device there (not expected; the runner waits and rebuilds).
+    needs_host_tokens: bool
 
     @property
     def num_reqs(self) -> int:
@@ -68,10 +80,12 @@ def build_step_inputs(
     num_scheduled_tokens: dict[str, int],
     buckets: "Buckets",
     attn_groups: "list[AttentionGroup]",
+    tokens: "DeviceTokens",
 ) -> StepInputs:
     """Inputs for the rows of ``batch`` (already updated for this step)."""
     num_reqs = batch.num_reqs
     req_ids = list(batch.req_ids)
+    token_slots = tokens.slots(req_ids)
     num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int32)
     num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
     num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
@@ -79,15 +93,15 @@ def build_step_inputs(
 
     is_decode_row = (num_scheduled == 1) & (num_computed + 1 == num_known)
     is_decode_row &= num_computed >= num_prompt
-    kind = (
-        StepKind.DECODE
+    shape = (
+        BatchShape.DECODE
         if is_decode_row.all()
-        else StepKind.PREFILL
+        else BatchShape.PREFILL
         if not is_decode_row.any()
-        else StepKind.MIXED
+        else BatchShape.MIXED
     )
     num_tokens = int(num_scheduled.sum())
-    if kind is StepKind.DECODE:
+    if shape is BatchShape.DECODE:
         num_tokens_padded = buckets.pad_decode(num_reqs)
     else:
         num_tokens_padded = buckets.pad_tokens(num_tokens)
@@ -99,9 +113,18 @@ def build_step_inputs(
     )
     positions_np = num_computed[row_of_token] + offset_in_row
 
-    input_ids = torch.zeros(num_tokens_padded, dtype=torch.int32)
     token_ids = batch.token_ids_cpu[row_of_token, positions_np]
+    # A decode row's one token is its newest: read it from the device table.
+    decode_rows = np.flatnonzero(is_decode_row)
+    device_token_positions = device_token_slots = None
+    if decode_rows.size:
+        decode_positions = cu_num_tokens[decode_rows] - 1
+        device_token_positions = torch.from_numpy(decode_positions.astype(np.int64))
+        device_token_slots = torch.from_numpy(token_slots[decode_rows])
+        token_ids[decode_positions] = 0
+    input_ids = torch.zeros(num_tokens_padded, dtype=torch.int32)
     input_ids[:num_tokens] = torch.from_numpy(token_ids)
+    is_sampled = num_computed + num_scheduled >= num_known
     positions = torch.zeros(num_tokens_padded, dtype=torch.int64)
     positions[:num_tokens] = torch.from_numpy(positions_np)
 
@@ -117,9 +140,9 @@ def build_step_inputs(
         block_table = batch.block_table[gid]
         block_size = block_table.block_size
         table_np = block_table.get_numpy_array()
-        slots = torch.full((num_tokens_padded,), PAD_SLOT_ID, dtype=torch.int64)
+        kv_slots = torch.full((num_tokens_padded,), PAD_SLOT_ID, dtype=torch.int64)
         block_numbers = table_np[row_of_token, positions_np // block_size]
-        slots[:num_tokens] = torch.from_numpy(
+        kv_slots[:num_tokens] = torch.from_numpy(
             block_numbers.astype(np.int64) * block_size + positions_np % block_size
         )
         common = CommonAttentionMetadata(
@@ -131,27 +154,31 @@ def build_step_inputs(
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens_np.max()),
             block_table_tensor=torch.from_numpy(table_np[:num_reqs].copy()),
-            slot_mapping=slots,
+            slot_mapping=kv_slots,
             positions=positions[:num_tokens],
         )
         attn_inputs.append((group, common))
         for layer_name in group.layer_names:
-            slot_mapping[layer_name] = slots
+            slot_mapping[layer_name] = kv_slots
 
     return StepInputs(
         req_ids=req_ids,
-        kind=kind,
+        shape=shape,
         num_scheduled=num_scheduled,
         num_computed=num_computed,
         num_tokens=num_tokens,
         num_tokens_padded=num_tokens_padded,
         input_ids=input_ids,
+        device_token_positions=device_token_positions,
+        device_token_slots=device_token_slots,
         positions=positions,
         logits_indices=torch.from_numpy(cu_num_tokens.astype(np.int64) - 1),
-        is_sampled=num_computed + num_scheduled >= num_known,
+        is_sampled=is_sampled,
         attn_inputs=attn_inputs,
         slot_mapping=slot_mapping,
-        has_placeholders=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
+        sample_slots=torch.from_numpy(np.where(is_sampled, token_slots, PAD_SLOT)),
+        token_slots=token_slots,
+        needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
     )
 
 

@@ -2,24 +2,30 @@
 
 One step, on the worker's main thread::
 
-    execute_model:  begin step (retire outputs, guard) -> update states
-                    -> prepare inputs (choose input ids) -> enqueue forward
+    execute_model:  begin step (retire what the engine has read) -> update
+                    states -> build inputs -> enqueue forward
     sample_tokens:  enqueue sampling -> placeholders -> output (async or not)
 
 The forward and the sampler run on the device (``runtime.make_device``), in
-enqueue order; the host never waits for them in steady-state decode. Host
-request state (``requests``, ``input_batch``) has one owner, this thread:
-sampled tokens enter it as placeholders at enqueue and are filled in here from
-materialized outputs, never by the async output thread.
+enqueue order. Decode rows take their input ids from the device token table
+that every sampling execution writes (``async_flow.py``), so the host never
+waits for a step's tokens to build the next one.
+
+Ownership: an execution enqueued on the device owns every buffer it reads
+until its future resolves. The host builds each step into fresh tensors and
+never writes, resizes or frees one that an enqueued execution may read; state
+that lives across steps on the device (the KV cache, the token table, the
+attention builders and vLLM's CPU scratchpad behind them) is touched by device
+executions only. Host request state (``requests``, ``input_batch``) has one
+owner, this thread: sampled tokens enter it as placeholders at enqueue and are
+filled in here when their step retires, never by the async output thread.
 """
 
-import hashlib
-import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import set_forward_context
@@ -34,12 +40,10 @@ from vllm.v1.outputs import (
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
-from vllm_neuron_sched.runtime import DeviceFuture, Materializer, make_device
+from vllm_neuron_sched.runtime import DeviceFuture, make_device
 from vllm_neuron_sched.worker.async_flow import (
-    HOST,
     AsyncFlow,
-    InputChoice,
-    PendingStep,
+    InFlightStep,
 )
 from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.inputs import (
@@ -49,9 +53,11 @@ from vllm_neuron_sched.worker.inputs import (
     build_step_inputs,
 )
 from vllm_neuron_sched.worker.kv_cache import KVCacheMixin
+from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.requests import RequestStatesMixin
 from vllm_neuron_sched.worker.sampling import (
     AsyncStepOutput,
+    history_repairs,
     make_output_materializer,
     prompt_logprobs_on_device,
     sample_on_device,
@@ -79,24 +85,14 @@ class ForwardState:
     prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
 
 
-@dataclass
-class InFlightStep:
-    """A sampling step whose tokens are not all in host state yet."""
-
-    req_ids: tuple[str, ...]
-    next_input_ids: DeviceFuture  # [num_rows_padded] int32
-    num_rows_padded: int
-    output: Materializer[ModelRunnerOutput]
-    # req_id -> index of its placeholder in output_token_ids.
-    placeholder_index: dict[str, int] = field(default_factory=dict)
-
-
 class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     def __init__(self, vllm_config: "VllmConfig", device: torch.device) -> None:
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("vllm_neuron_sched does not support pipeline parallel")
         if vllm_config.speculative_config is not None:
             raise ValueError("vllm_neuron_sched does not support speculative decoding")
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise ValueError("vllm_neuron_sched does not support KV transfer")
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
@@ -116,25 +112,23 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.tp_rank = get_tp_group().rank_in_group
         self.accelerator = make_device(name=f"tp{self.tp_rank}")
-        if self.accelerator.name != "inline":
-            _unbind_host_thread()
         self.model: Any = None
-        self.flow = AsyncFlow(self._materialize_pending)
-        self.dead_tokens = 0
-        self._in_flight: deque[InFlightStep] = deque()
-        # TP consistency (get_rank_state): most steps ever in flight at once,
-        # and a digest of every finished request's final token history.
-        self._max_in_flight = 0
-        self._finished_digest = hashlib.sha256()
-        self._forward: ForwardState | None = None
-        self._direct_output: ModelRunnerOutput | None = None
-        self._stats_logged_at = time.monotonic()
-        self._init_request_states()
-        self._init_kv_cache_state()
+        self.flow = AsyncFlow(
+            self.accelerator, self.max_num_reqs, self._apply_sampled_tokens
+        )
+        # TP consistency (get_rank_state): final token histories, digested.
+        self.digest = RankDigest()
+        self.flow.subscribe(self.digest)
+        if self.tp_rank == 0 and envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S > 0:
+            self.flow.subscribe(StatsLog(self.flow, time.monotonic))
         # Benchmarks only (VLLM_NEURON_SCHED_TIMELINE): None = not recorded.
         self.timeline = StepTimeline.from_env()
         if self.timeline is not None:
-            self.timeline.instrument(self)
+            self.flow.subscribe(self.timeline)
+        self._forward: ForwardState | None = None
+        self._direct_output: ModelRunnerOutput | None = None
+        self._init_request_states()
+        self._init_kv_cache_state()
 
     # ---- engine-facing API -------------------------------------------------
 
@@ -162,29 +156,22 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         pass
 
     def get_async_scheduling_stats(self) -> dict[str, int]:
-        return {**self.flow.stats(), "dead_tokens": self.dead_tokens}
+        return self.flow.stats()
 
     def get_rank_state(self) -> dict[str, Any]:
         """In-flight steps and a digest of the host token histories, after
         waiting for those steps: equal on every TP rank when no rank drifts."""
-        num_in_flight = len(self._in_flight)
-        self._retire_in_flight(keep_latest=False)
-        digest = hashlib.sha256()
-        for req_id in sorted(self.requests):
-            state = self.requests[req_id]
-            digest.update(f"{req_id}:{state.output_token_ids};".encode())
-            row = self.input_batch.req_id_to_index.get(req_id)
-            if row is not None:
-                num_tokens = int(self.input_batch.num_tokens_no_spec[row])
-                tokens = self.input_batch.token_ids_cpu[row, :num_tokens].tolist()
-                digest.update(f"{tokens};".encode())
+        num_in_flight = len(self.flow.in_flight)
+        self.flow.retire()
         return {
             "tp_rank": self.tp_rank,
             "in_flight_steps": num_in_flight,
-            "max_in_flight_steps": self._max_in_flight,
-            "finished_digest": self._finished_digest.hexdigest(),
+            "max_in_flight_steps": self.flow.max_in_flight,
+            "finished_digest": self.digest.finished_hexdigest(),
             "num_requests": len(self.requests),
-            "history_digest": digest.hexdigest(),
+            "history_digest": self.digest.live_hexdigest(
+                self.requests, self.input_batch
+            ),
         }
 
     def shutdown(self) -> None:
@@ -198,98 +185,69 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     ) -> ModelRunnerOutput | None:
         """Enqueues the step's forward. None: sample_tokens() follows; else
         the step sampled nothing and this is its output."""
-        self._begin_step(scheduler_output)
-        self._update_states(scheduler_output)
-        if not scheduler_output.total_num_scheduled_tokens:
-            return EMPTY_MODEL_RUNNER_OUTPUT
-        inputs, choice = self._prepare_inputs(scheduler_output)
-        self._enqueue_forward(scheduler_output, inputs, choice)
-        return None if inputs.has_samples else self._finish_without_sampling(inputs)
+        with self.flow.host_section("execute_model"):
+            self.flow.begin_step(scheduler_output)
+            self._direct_output = None
+            self._update_states(scheduler_output)
+            if not scheduler_output.total_num_scheduled_tokens:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            inputs = self._build_inputs(scheduler_output)
+            self._enqueue_forward(scheduler_output, inputs)
+            if inputs.has_samples:
+                return None
+            return self._finish_without_sampling(inputs)
 
     @torch.inference_mode()
     def sample_tokens(
         self, grammar_output: "GrammarOutput | None"
     ) -> ModelRunnerOutput | AsyncStepOutput:
         """Enqueues on-device sampling. Async: the output is a future the
-        engine reads later; the sampled tokens feed the next step on device."""
+        engine reads later; the sampled tokens feed later steps on device."""
         if self._direct_output is not None:
             output, self._direct_output = self._direct_output, None
             return output
         forward, self._forward = self._forward, None
         if forward is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        step = self._enqueue_sampling(forward, grammar_output)
-        if not self.is_async:
-            self._retire_in_flight(keep_latest=False)
-            return step.output.get()
-        self.flow.reinstate(
-            PendingStep(
-                step.req_ids, step.next_input_ids, step.num_rows_padded, torch.int32
-            )
-        )
-        return AsyncStepOutput(step.output)
+        with self.flow.host_section("sample_tokens"):
+            step = self._enqueue_sampling(forward, grammar_output)
+            if not self.is_async:
+                output = self.flow.wait_for(step)
+                self.flow.retire()
+                self.flow.end_step(forward.inputs.shape, is_sync=True)
+                return output
+            self.flow.end_step(forward.inputs.shape)
+            return AsyncStepOutput(self.flow, step)
 
     # ---- the step pipeline --------------------------------------------------
 
-    def _begin_step(self, scheduler_output: "SchedulerOutput") -> None:
-        """Brings host state up to date with finished outputs (bounded: only
-        the latest sampling step may stay in flight), then the flow's guard."""
-        self._direct_output = None
-        self._retire_in_flight(keep_latest=True)
-        if not self.is_async:
-            return
-        if self.flow.pending is not None and self._in_flight:
-            sampled = self._in_flight[-1].placeholder_index
-            self.dead_tokens += len(scheduler_output.finished_req_ids & sampled.keys())
-        self.flow.guard(scheduler_output.num_scheduled_tokens)
-        if finished := sorted(scheduler_output.finished_req_ids & self.requests.keys()):
-            self._retire_in_flight(keep_latest=False)  # no-op after the guard
-            for req_id in finished:
-                history = self.requests[req_id].output_token_ids
-                self._finished_digest.update(f"{req_id}:{history};".encode())
-        self._maybe_log_stats()
-
-    def _prepare_inputs(
-        self, scheduler_output: "SchedulerOutput"
-    ) -> tuple[StepInputs, InputChoice]:
-        inputs = self._build_inputs(scheduler_output)
-        choice = HOST
-        if self.is_async:
-            choice = self.flow.choose_input_ids(
-                inputs.req_ids,
-                inputs.kind,
-                inputs.num_tokens_padded,
-                inputs.input_ids.dtype,
-                inputs.has_placeholders,
-            )
-            if choice.must_rebuild:
-                inputs = self._build_inputs(scheduler_output)
-        if not choice.uses_future and inputs.has_placeholders:
-            # Defensive: never run host inputs that hold a device token.
-            self._retire_in_flight(keep_latest=False)
-            inputs = self._build_inputs(scheduler_output)
-        return inputs, choice
-
     def _build_inputs(self, scheduler_output: "SchedulerOutput") -> StepInputs:
+        inputs = self._build_host_inputs(scheduler_output)
+        if inputs.needs_host_tokens:
+            # A prompt position holds a token still on the device (not
+            # expected with these schedulers): wait for it, then rebuild.
+            self.flow.retire()
+            inputs = self._build_host_inputs(scheduler_output)
+        return inputs
+
+    def _build_host_inputs(self, scheduler_output: "SchedulerOutput") -> StepInputs:
         return build_step_inputs(
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
             self.buckets,
             self.attn_groups,
+            self.flow.tokens,
         )
 
     def _enqueue_forward(
-        self,
-        scheduler_output: "SchedulerOutput",
-        inputs: StepInputs,
-        choice: InputChoice,
+        self, scheduler_output: "SchedulerOutput", inputs: StepInputs
     ) -> None:
         jobs, prompt_logprobs = self._prompt_logprobs_jobs(inputs)
-        row_map = None if choice.row_map is None else torch.tensor(choice.row_map)
         logits = self.accelerator.enqueue(
             self._forward_on_device,
-            choice.tokens if choice.uses_future else inputs.input_ids,
-            row_map,
+            inputs.input_ids,
+            inputs.device_token_positions,
+            inputs.device_token_slots,
             inputs.positions,
             inputs.attn_inputs,
             inputs.slot_mapping,
@@ -302,7 +260,8 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     def _forward_on_device(
         self,
         input_ids: torch.Tensor,
-        row_map: torch.Tensor | None,
+        device_token_positions: torch.Tensor | None,
+        device_token_slots: torch.Tensor | None,
         positions: torch.Tensor,
         attn_inputs: list[tuple[Any, Any]],
         slot_mapping: dict[str, torch.Tensor],
@@ -310,12 +269,13 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         logits_indices: torch.Tensor | None,
         prompt_logprobs_jobs: list[tuple],
     ) -> torch.Tensor | None:
-        """Runs on the device thread: the model at its padded shape."""
+        """Runs on the device: decode rows' ids from the token table, then the
+        model at its padded shape."""
         with torch.inference_mode():
-            if row_map is not None:
-                remapped = torch.zeros_like(input_ids)
-                remapped[: row_map.shape[0]] = input_ids[row_map]
-                input_ids = remapped
+            if device_token_positions is not None:
+                input_ids[device_token_positions] = self.flow.tokens.read(
+                    device_token_slots
+                )
             with set_forward_context(
                 build_attention_metadata(attn_inputs),
                 self.vllm_config,
@@ -339,55 +299,40 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         self, forward: ForwardState, grammar_output: "GrammarOutput | None"
     ) -> InFlightStep:
         inputs = forward.inputs
-        metadata = snapshot_sampling_metadata(
-            self.input_batch.sampling_metadata,
-            self.input_batch.req_output_token_ids,
-        )
-        prev_tokens, prev_row = self._history_repair(metadata, inputs.req_ids)
+        metadata = self.input_batch.sampling_metadata
+        repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
+        if not self.accelerator.runs_at_enqueue:
+            metadata = snapshot_sampling_metadata(metadata)
         grammar = None
         if grammar_output is not None:
             grammar = (forward.scheduler_output, grammar_output, list(inputs.req_ids))
-        num_rows_padded = self.buckets.pad_decode(inputs.num_reqs)
         result = self.accelerator.enqueue(
             sample_on_device,
             self.sampler,
+            self.flow.tokens,
             forward.logits,
             metadata,
-            num_rows_padded,
-            [i for i, s in enumerate(inputs.is_sampled) if not s],
-            prev_tokens,
-            prev_row,
+            inputs.sample_slots,
+            np.flatnonzero(~inputs.is_sampled).tolist(),
+            repairs,
             grammar,
         )
         step = InFlightStep(
+            number=self.flow.step,
             req_ids=tuple(inputs.req_ids),
-            next_input_ids=result.select("next_input_ids"),
-            num_rows_padded=num_rows_padded,
+            result=result,
             output=make_output_materializer(
                 result, inputs.req_ids, inputs.is_sampled, forward.prompt_logprobs
             ),
         )
         self._add_placeholders(step, inputs)
-        self._in_flight.append(step)
-        self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
+        self.flow.push(step)
         return step
-
-    def _history_repair(
-        self, metadata: Any, req_ids: list[str]
-    ) -> tuple[DeviceFuture | None, list[int]]:
-        """Penalties read token histories; a history ending in a placeholder
-        gets the token from the previous step's future, on device."""
-        histories = metadata.output_token_ids
-        if not any(h and h[-1] == PLACEHOLDER_TOKEN_ID for h in histories):
-            return None, []
-        last = self._in_flight[-1]
-        row_of = {req_id: row for row, req_id in enumerate(last.req_ids)}
-        return last.next_input_ids, [row_of.get(r, -1) for r in req_ids]
 
     def _finish_without_sampling(self, inputs: StepInputs) -> ModelRunnerOutput:
         """A step of prompt chunks that are not the last: no token, no wait."""
         self._forward = None
-        self.flow.reinstate(None)
+        self.flow.end_step(inputs.shape)
         self._direct_output = ModelRunnerOutput(
             req_ids=list(inputs.req_ids),
             req_id_to_index={req_id: i for i, req_id in enumerate(inputs.req_ids)},
@@ -397,71 +342,39 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
 
     # ---- host state from device results (main thread only) ------------------
 
-    def _materialize_pending(self, pending: PendingStep) -> None:
-        """The flow breaks: wait for every in-flight output and apply it."""
-        self._retire_in_flight(keep_latest=False)
-
-    def _retire_in_flight(self, keep_latest: bool) -> None:
-        while len(self._in_flight) > (1 if keep_latest else 0):
-            self._apply_sampled_tokens(self._in_flight.popleft())
-        if self._in_flight and self._in_flight[-1].output.is_materialized():
-            self._apply_sampled_tokens(self._in_flight[-1])
-
     def _add_placeholders(self, step: InFlightStep, inputs: StepInputs) -> None:
+        """Each sampling row's history grows by a placeholder now, so the
+        next step's shapes and positions are right before the token is known."""
         batch = self.input_batch
-        for row, req_id in enumerate(inputs.req_ids):
-            if not inputs.is_sampled[row]:
-                continue
-            state = self.requests[req_id]
-            step.placeholder_index[req_id] = len(state.output_token_ids)
-            state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
-            position = int(batch.num_tokens_no_spec[row])
-            if position < batch.token_ids_cpu.shape[1]:
-                batch.token_ids_cpu[row, position] = PLACEHOLDER_TOKEN_ID
-            batch.num_tokens_no_spec[row] = position + 1
+        rows = np.flatnonzero(inputs.is_sampled)
+        positions = batch.num_tokens_no_spec[rows]
+        in_range = positions < batch.token_ids_cpu.shape[1]
+        batch.token_ids_cpu[rows[in_range], positions[in_range]] = PLACEHOLDER_TOKEN_ID
+        batch.num_tokens_no_spec[rows] = positions + 1
+        for row in rows.tolist():
+            req_id = inputs.req_ids[row]
+            history = self.requests[req_id].output_token_ids
+            step.placeholders[req_id] = (history, len(history))
+            history.append(PLACEHOLDER_TOKEN_ID)
 
     def _apply_sampled_tokens(self, step: InFlightStep) -> None:
-        """Fills placeholders with real tokens. Idempotent: a placeholder is
-        filled once; finished or resumed requests are skipped."""
+        """Fills the step's placeholders with its tokens (finished requests'
+        histories too). A history that was cut or replaced since (preemption)
+        keeps what it has."""
         output = step.output.get()
         batch = self.input_batch
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
-            index = step.placeholder_index.get(req_id)
-            state = self.requests.get(req_id)
-            if index is None or not tokens or state is None:
+            history, index = step.placeholders.get(req_id, (None, 0))
+            if history is None or not tokens or index >= len(history):
                 continue
-            history = state.output_token_ids
-            if index >= len(history) or history[index] != PLACEHOLDER_TOKEN_ID:
+            if history[index] != PLACEHOLDER_TOKEN_ID:
                 continue
             history[index] = tokens[0]
+            state = self.requests.get(req_id)
             row = batch.req_id_to_index.get(req_id)
-            if row is not None:
+            if (
+                row is not None
+                and state is not None
+                and state.output_token_ids is history
+            ):
                 batch.token_ids_cpu[row, state.num_prompt_tokens + index] = tokens[0]
-
-    def _maybe_log_stats(self) -> None:
-        interval = envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S
-        now = time.monotonic()
-        if interval <= 0 or now - self._stats_logged_at < interval or self.tp_rank:
-            return
-        self._stats_logged_at = now
-        stats = self.get_async_scheduling_stats()
-        logger.info(
-            "Async scheduling: %d async steps, %d sync fallback steps, "
-            "%d prefill steps, %d dead tokens",
-            stats["async_steps"],
-            stats["sync_fallback_steps"],
-            stats["prefill_steps"],
-            stats["dead_tokens"],
-        )
-
-
-def _unbind_host_thread() -> None:
-    """On CPU the "device" is the cores the CPU worker bound this thread to:
-    the device thread, already started, keeps them. This (host) thread, and
-    the executor's output thread started after it, may use any core, so host
-    work overlaps the device instead of time-slicing with it on one core."""
-    if hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except OSError as exc:
-            logger.debug("Host thread keeps its CPU binding: %s", exc)

@@ -14,11 +14,15 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
+    from vllm_neuron_sched.runtime.device import Device
+    from vllm_neuron_sched.worker.async_flow import AsyncFlow
+
 
 class RequestStatesMixin:
     input_batch: "InputBatch"
     vocab_size: int
-    is_async: bool
+    flow: "AsyncFlow"
+    accelerator: "Device"
 
     def zero_kv_blocks(self, block_ids: list[int]) -> None: ...
 
@@ -32,7 +36,8 @@ class RequestStatesMixin:
         batch ends up holding exactly this step's requests."""
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+            if (state := self.requests.pop(req_id, None)) is not None:
+                self.flow.finish_request(req_id, state.output_token_ids)
             self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
         if block_ids := getattr(scheduler_output, "new_block_ids_to_zero", None):
@@ -97,6 +102,7 @@ class RequestStatesMixin:
             lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
+        self.flow.tokens.assign(new.req_id, self.accelerator)
         if params is not None and params.prompt_logprobs is not None:
             wanted = params.prompt_logprobs
             self.num_prompt_logprobs[new.req_id] = (

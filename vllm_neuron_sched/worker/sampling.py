@@ -1,19 +1,26 @@
 """On-device sampling and the output that carries its result back to the host.
 
-The sampler runs on the device thread (vLLM's ``Sampler``: penalties, top-k/p,
-min-p, seeds, logprobs). Everything it reads is a snapshot taken at enqueue,
-because the main thread builds the next step while this one samples.
+The sampler runs on the device (vLLM's ``Sampler``: penalties, top-k/p, min-p,
+seeds, logprobs). On a threaded device everything it reads is a snapshot taken
+at enqueue, because the main thread builds the next step while this one
+samples; an inline device samples at enqueue and reads the batch as it is.
 """
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.inputs import PLACEHOLDER_TOKEN_ID
@@ -23,18 +30,24 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.worker.async_flow import (
+        AsyncFlow,
+        DeviceTokens,
+        InFlightStep,
+    )
 
-def snapshot_sampling_metadata(
-    metadata: "SamplingMetadata", live_histories: Sequence[list[int] | None]
-) -> "SamplingMetadata":
-    """A copy the device may read while the host mutates the input batch.
+
+def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":
+    """A copy the device may read while the host mutates the input batch
+    (threaded devices only: an inline device samples at enqueue).
 
     Tensors are cloned, token histories and generator maps copied. Logits
-    processors are deep-copied with each live history mapped to its copy:
-    they keep references to the request's output-token list (min_tokens, the
-    per-request adapters), which the main thread appends the next placeholder
-    to right after this step is enqueued; read live, they would see one token
-    too many.
+    processors that hold state are deep-copied, each live history mapped to
+    its copy: they keep references to the request's output-token list
+    (min_tokens, the per-request adapters), which the main thread appends the
+    next placeholder to right after this step is enqueued; read live, they
+    would see one token too many. vLLM's built-in processors with nothing to
+    do (no request uses them) are left out, so all-greedy batches copy none.
     """
 
     def clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -45,12 +58,10 @@ def snapshot_sampling_metadata(
         id(live): copied for live, copied in zip(metadata.output_token_ids, histories)
     }
     processors = LogitsProcessors()
-    processors.argmax_invariant = copy.deepcopy(
-        metadata.logitsprocs.argmax_invariant, memo
-    )
-    processors.non_argmax_invariant = copy.deepcopy(
-        metadata.logitsprocs.non_argmax_invariant, memo
-    )
+    for name in ("argmax_invariant", "non_argmax_invariant"):
+        live = getattr(metadata.logitsprocs, name)
+        kept = [p for p in live if not _is_idle(p)]
+        setattr(processors, name, copy.deepcopy(kept, memo) if kept else [])
     return replace(
         metadata,
         temperature=clone(metadata.temperature),
@@ -68,29 +79,43 @@ def snapshot_sampling_metadata(
     )
 
 
-@dataclass
-class HistoryRepair:
-    """Fills the placeholder that ends a row's token history (penalties need
-    it) from the previous step's sampled tokens, on the device."""
+def _is_idle(processor: object) -> bool:
+    """A built-in processor that no request in the batch uses: its apply() is
+    the identity. Anything else (custom processors) counts as busy."""
+    if isinstance(processor, MinPLogitsProcessor):
+        return not processor.min_p_count
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return not processor.biases
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return not processor.min_toks
+    return False
 
-    # Previous step's sampled-token future, [rows padded].
-    prev_tokens: DeviceFuture
-    # Row i of this step takes prev_tokens[prev_row[i]]; -1: nothing pending.
-    prev_row: list[int]
+
+def history_repairs(
+    histories: Sequence[list[int]], slots: np.ndarray
+) -> list[tuple[int, int]]:
+    """(row, token slot) of each history ending in a placeholder: penalties
+    and bad words need that token, which is still on the device."""
+    return [
+        (row, int(slots[row]))
+        for row, history in enumerate(histories)
+        if history and history[-1] == PLACEHOLDER_TOKEN_ID
+    ]
 
 
 def sample_on_device(
     sampler: "Sampler",
+    tokens: "DeviceTokens",
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
-    num_rows_padded: int,
+    write_slots: torch.Tensor,
     discarded_rows: list[int],
-    prev_tokens: torch.Tensor | None,
-    prev_row: list[int],
+    repairs: list[tuple[int, int]],
     grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
 ) -> dict[str, Any]:
-    """Runs on the device thread. Returns the padded next input ids, the
-    sampled tokens of the real rows and their logprobs."""
+    """Runs on the device thread. Samples, writes each sampling row's token
+    into the device token table (``write_slots``; non-sampling rows point at
+    the padding slot) and returns the tokens and their logprobs."""
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
     with torch.inference_mode():
@@ -98,10 +123,14 @@ def sample_on_device(
             scheduler_output, grammar_output, req_ids = grammar
             rows = SimpleNamespace(req_ids=req_ids)
             apply_grammar_bitmask(scheduler_output, grammar_output, rows, logits)
-        if prev_tokens is not None:
-            for history, row in zip(metadata.output_token_ids, prev_row):
-                if row >= 0 and history and history[-1] == PLACEHOLDER_TOKEN_ID:
-                    history[-1] = int(prev_tokens[row])
+        if repairs:
+            # Histories end in the previous token, still a placeholder on the
+            # host: take it from the table (copies: the lists may be live).
+            histories = list(metadata.output_token_ids)
+            latest = tokens.read(torch.tensor([slot for _, slot in repairs]))
+            for (row, _), token in zip(repairs, latest.tolist()):
+                histories[row] = [*histories[row][:-1], token]
+            metadata = replace(metadata, output_token_ids=histories)
         # A prompt chunk that is not the last samples nothing: its seeded
         # generator must not advance, so seeds reproduce however it is chunked.
         kept_states = {
@@ -113,13 +142,8 @@ def sample_on_device(
         sampled = output.sampled_token_ids[:, 0].to(torch.int32)
         for row, state in kept_states.items():
             metadata.generators[row].set_state(state)
-        next_input_ids = torch.zeros(num_rows_padded, dtype=torch.int32)
-        next_input_ids[: sampled.shape[0]] = sampled
-    return {
-        "next_input_ids": next_input_ids,
-        "sampled": sampled,
-        "logprobs": output.logprobs_tensors,
-    }
+        tokens.write(write_slots, sampled)
+    return {"sampled": sampled, "logprobs": output.logprobs_tensors}
 
 
 def prompt_logprobs_on_device(
@@ -183,8 +207,9 @@ class AsyncStepOutput(AsyncModelRunnerOutput):
     executor's async output thread (output rank) or the engine thread
     (uniproc); it only turns the device result into host lists."""
 
-    def __init__(self, output: Materializer[ModelRunnerOutput]) -> None:
-        self._output = output
+    def __init__(self, flow: "AsyncFlow", step: "InFlightStep") -> None:
+        self._flow = flow
+        self._step = step
 
     def get_output(self) -> ModelRunnerOutput:
-        return self._output.get()
+        return self._flow.output_read(self._step)

@@ -1,17 +1,15 @@
 """Per-step host and device busy intervals of one worker, for the benchmarks.
 
-``VLLM_NEURON_SCHED_TIMELINE=1`` turns it on; off, the runner holds ``None``
-and nothing is wrapped, so it costs nothing. On, ``instrument`` wraps the
-runner's and the device's methods on the instances (the classes stay as they
-are) and records, per step (the ``execute_model`` call number):
+``VLLM_NEURON_SCHED_TIMELINE=1`` subscribes a ``StepTimeline`` to the async
+flow's events (off, nothing is timed). It records, per step (the
+``execute_model`` call number):
 
-- ``host``: ``execute_model``, ``sample_tokens`` and ``materialize`` (host
-  state from a device result) on the worker main thread, ``get_output`` on
-  the executor's async output thread;
-- ``wait``: a host thread blocked on a device result (on the main thread,
-  nested in ``host``);
-- ``device``: one device execution, start to end, on the device thread,
-  tagged with the step that enqueued it.
+- ``host``: ``execute_model`` and ``sample_tokens`` on the worker main thread,
+  ``get_output`` on the executor's async output thread;
+- ``wait``: a host thread blocked on a device result (nested in ``host``);
+- ``device``: one device execution, start to end, on the thread that ran it
+  (the device thread; the main thread for an inline device, nested in
+  ``host``), tagged with the step that enqueued it.
 
 Times are ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux: comparable
 across the processes of one machine). Read with
@@ -21,19 +19,11 @@ across the processes of one machine). Read with
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from vllm.v1.outputs import AsyncModelRunnerOutput
+from typing import Any
 
 from vllm_neuron_sched import envs
-
-if TYPE_CHECKING:
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    from vllm_neuron_sched.runtime.device import Device, Execution
+from vllm_neuron_sched.worker.async_flow import FlowObserver
 
 HOST, WAIT, DEVICE = "host", "wait", "device"
 
@@ -56,13 +46,14 @@ class StepInfo:
     num_tokens: int  # tokens scheduled (== num_reqs for a pure decode step)
 
 
-class StepTimeline:
+class StepTimeline(FlowObserver):
     """A bounded, thread-safe (append-only deques) record of recent steps."""
+
+    is_timed = True
 
     def __init__(self, max_intervals: int = 200_000) -> None:
         self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self.steps: deque[StepInfo] = deque(maxlen=max_intervals // 4)
-        self.step = 0
 
     @classmethod
     def from_env(cls) -> "StepTimeline | None":
@@ -80,109 +71,30 @@ class StepTimeline:
             self.intervals.clear()
         return result
 
-    @contextmanager
-    def record(self, kind: str, name: str, step: int | None = None) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.intervals.append(
-                Interval(
-                    kind,
-                    name,
-                    self.step if step is None else step,
-                    threading.current_thread().name,
-                    start,
-                    time.perf_counter(),
-                )
+    # ---- FlowObserver --------------------------------------------------------
+
+    def step_began(self, step: int, scheduler_output: Any) -> None:
+        self.steps.append(
+            StepInfo(
+                step,
+                time.perf_counter(),
+                len(scheduler_output.num_scheduled_tokens),
+                scheduler_output.total_num_scheduled_tokens,
             )
+        )
 
-    def instrument(self, runner: Any) -> None:
-        """Wraps the runner's step entry points and its device."""
-        execute_model = runner.execute_model
-        sample_tokens = runner.sample_tokens
-        apply_sampled_tokens = runner._apply_sampled_tokens
+    def host_work(self, name: str, step: int, start: float, end: float) -> None:
+        self._add(HOST, name, step, start, end)
 
-        def timed_execute_model(scheduler_output: Any, *args: Any) -> Any:
-            self.step += 1
-            self.steps.append(
-                StepInfo(
-                    self.step,
-                    time.perf_counter(),
-                    len(scheduler_output.num_scheduled_tokens),
-                    scheduler_output.total_num_scheduled_tokens,
-                )
-            )
-            with self.record(HOST, "execute_model"):
-                return execute_model(scheduler_output, *args)
+    def waited(self, step: int, start: float, end: float) -> None:
+        self._add(WAIT, "device_result", step, start, end)
 
-        def timed_sample_tokens(grammar_output: Any) -> Any:
-            with self.record(HOST, "sample_tokens"):
-                output = sample_tokens(grammar_output)
-            if isinstance(output, AsyncModelRunnerOutput):
-                ready = runner._in_flight[-1].next_input_ids
-                return _TimedAsyncOutput(output, ready, self, self.step)
-            return output
+    def executed(self, label: str, step: int, start: float, end: float) -> None:
+        self._add(DEVICE, label, step, start, end)
 
-        def timed_apply_sampled_tokens(step: Any) -> None:
-            with self.record(HOST, "materialize"):
-                if not step.next_input_ids.done():
-                    with self.record(WAIT, "device_result"):
-                        _wait_quietly(step.next_input_ids)
-                apply_sampled_tokens(step)
-
-        runner.execute_model = timed_execute_model
-        runner.sample_tokens = timed_sample_tokens
-        runner._apply_sampled_tokens = timed_apply_sampled_tokens
-        self.instrument_device(runner.accelerator)
-
-    def instrument_device(self, device: "Device") -> None:
-        """Tags each execution with the step that enqueues it and records its
-        run (including simulated latency) on whichever thread runs it."""
-        submit: Callable[[Execution], None] = device._submit
-        execute: Callable[[Execution], None] = device._execute
-
-        def tagged_submit(execution: "Execution") -> None:
-            execution.timeline_step = self.step  # type: ignore[attr-defined]
-            submit(execution)
-
-        def timed_execute(execution: "Execution") -> None:
-            step = getattr(execution, "timeline_step", self.step)
-            with self.record(DEVICE, execution.future._label, step):
-                execute(execution)
-
-        device._submit = tagged_submit  # type: ignore[method-assign]
-        device._execute = timed_execute  # type: ignore[method-assign]
-
-
-class _TimedAsyncOutput(AsyncModelRunnerOutput):
-    """Records the output thread's materialization of one step: its wait for
-    the device result, then the host work."""
-
-    def __init__(
-        self,
-        output: AsyncModelRunnerOutput,
-        ready: Any,
-        timeline: StepTimeline,
-        step: int,
-    ) -> None:
-        self._output = output
-        self._ready = ready  # device future done when the step's result is
-        self._timeline = timeline
-        self._step = step
-
-    def get_output(self) -> "ModelRunnerOutput":
-        if not self._ready.done():
-            with self._timeline.record(WAIT, "device_result", self._step):
-                _wait_quietly(self._ready)
-        with self._timeline.record(HOST, "get_output", self._step):
-            return self._output.get_output()
-
-
-def _wait_quietly(future: Any) -> None:
-    """Waits for a device future; a failure surfaces later, where it is read."""
-    with suppress(Exception):
-        future.result()
+    def _add(self, kind: str, name: str, step: int, start: float, end: float) -> None:
+        thread = threading.current_thread().name
+        self.intervals.append(Interval(kind, name, step, thread, start, end))
 
 
 def _astuple(record: Interval | StepInfo) -> tuple[Any, ...]:

@@ -1,160 +1,220 @@
-"""The async-flow state machine alone: no engine, no tensors."""
+"""The async flow keeps going when the batch changes: decode rows take their
+newest token on the device, and the host never waits for one.
+
+Each test drives the real runner on the toy model (``testing/toy_runner.py``)
+with hand-written scheduler outputs, the way the engine's depth-2 batch queue
+does: a step's output is read before the step two later is scheduled. The
+two steps around a batch change run while the device is held by a gate, so
+they can only return if the host never waits for a device result; then the
+gate opens and every token must be the toy model's.
+"""
+
+import threading
+from collections import defaultdict
+from typing import Any
 
 import pytest
+from vllm.v1.core.sched.output import SchedulerOutput
 
-from vllm_neuron_sched.worker.async_flow import (
-    AsyncFlow,
-    FlowState,
-    PendingStep,
-    StepKind,
+from vllm_neuron_sched.testing.toy_runner import (
+    ScriptedScheduler,
+    expected_output,
+    read_output,
+    run_step,
+    toy_runner,
 )
+from vllm_neuron_sched.worker.async_flow import StepState
+from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
 
-DTYPE = "int32"
+# A deadlock detector, not a timing: a runner that waits for the gated device
+# never returns until the gate opens.
+GATE_TIMEOUT_S = 30.0
+PENALTY = 2.0
 
 
-class Recorder:
-    """Stands in for the runner's materialize callback."""
+class Engine:
+    """Runs scripted steps through the runner and reads their outputs."""
 
-    def __init__(self) -> None:
-        self.materialized: list[PendingStep] = []
+    def __init__(self, runner: NeuronSchedModelRunner) -> None:
+        self.runner = runner
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.states: list[StepState | None] = []
 
-    def __call__(self, pending: PendingStep) -> None:
-        self.materialized.append(pending)
+    def run(self, *steps: SchedulerOutput) -> None:
+        """Steps whose outputs are read at once (the past of the batch queue)."""
+        for scheduler_output in steps:
+            self._collect(self._run_one(scheduler_output))
+
+    def run_held(self, *steps: SchedulerOutput) -> None:
+        """Up to two steps (the batch queue's depth) while the device is held:
+        fails if the host waits for the device in any of them."""
+        assert len(steps) <= 2
+        opened, started = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            started.set()
+            assert opened.wait(GATE_TIMEOUT_S)
+
+        self.runner.accelerator.enqueue(hold)
+        assert started.wait(GATE_TIMEOUT_S)
+        outputs: list[Any] = []
+        host = threading.Thread(
+            target=lambda: outputs.extend(self._run_one(s) for s in steps)
+        )
+        host.start()
+        host.join(GATE_TIMEOUT_S)
+        waited = host.is_alive()
+        opened.set()
+        host.join()
+        assert not waited, "the host waited for the held device"
+        for output in outputs:
+            self._collect(output)
+
+    def _run_one(self, scheduler_output: SchedulerOutput) -> Any:
+        output = run_step(self.runner, scheduler_output)
+        self.states.append(self.runner.flow.state)
+        return output
+
+    def _collect(self, output: Any) -> None:
+        output = read_output(output)
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            self.tokens[req_id].extend(tokens)
 
 
 @pytest.fixture
-def flow_and_calls() -> tuple[AsyncFlow, Recorder]:
-    calls = Recorder()
-    return AsyncFlow(calls), calls
+def thread_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
 
 
-def _pending(req_ids: tuple[str, ...], rows: int = 4, token: str = "f") -> PendingStep:
-    return PendingStep(req_ids, token, rows, DTYPE)
+def _prompt(seed: int, length: int) -> list[int]:
+    return [(13 * seed + 5 * i + 1) % 97 for i in range(length)]
 
 
-def _decode_step(
-    flow: AsyncFlow, req_ids: tuple[str, ...], rows: int = 4, placeholders=True
-):
-    flow.guard(req_ids)
-    choice = flow.choose_input_ids(req_ids, StepKind.DECODE, rows, DTYPE, placeholders)
-    flow.reinstate(_pending(req_ids, rows, token=f"f{len(req_ids)}"))
-    return choice
+def _assert_tokens(
+    engine: Engine, sched_prompts: dict[str, list[int]], penalty: float | None = None
+) -> None:
+    for req_id, prompt in sched_prompts.items():
+        got = engine.tokens[req_id]
+        assert got == expected_output(prompt, len(got), penalty), req_id
 
 
-def test_first_step_uses_host_inputs(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    choice = _decode_step(flow, ("a", "b"), placeholders=False)
-    assert not choice.uses_future and not choice.must_rebuild
-    assert flow.state is FlowState.SYNC_FALLBACK
-    assert calls.materialized == []
+def _assert_no_fallback(runner: NeuronSchedModelRunner, num_async: int) -> None:
+    stats = runner.get_async_scheduling_stats()
+    assert stats["sync_fallback_steps"] == 0
+    assert stats["async_steps"] == num_async
 
 
-def test_steady_state_feeds_the_future_without_host_read(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    flow.reinstate(_pending(("a", "b"), token="future-N"))
-    for step in range(5):
-        flow.guard(("a", "b"))
-        choice = flow.choose_input_ids(("a", "b"), StepKind.DECODE, 4, DTYPE, True)
-        assert choice.tokens == ("future-N" if step == 0 else f"future-{step}")
-        assert choice.row_map is None
-        flow.reinstate(_pending(("a", "b"), token=f"future-{step + 1}"))
-    assert flow.state is FlowState.STEADY_ASYNC
-    assert calls.materialized == []
-    assert flow.stats() == {
-        "async_steps": 5,
-        "sync_fallback_steps": 0,
-        "prefill_steps": 0,
-    }
+@pytest.mark.usefixtures("thread_device")
+def test_join_right_after_a_prefill() -> None:
+    sched = ScriptedScheduler()
+    prompts = {"a": _prompt(1, 5), "b": _prompt(2, 9)}
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt)
+    with toy_runner(is_async=True) as runner:
+        engine = Engine(runner)
+        engine.run(sched.prefill("a"), sched.decode("a"), sched.decode("a"))
+        # b's first token comes from the prefill step, a's from the step before.
+        engine.run_held(sched.prefill("b"), sched.decode("a", "b"))
+        engine.run(sched.decode("a", "b"), sched.decode("b", "a"))
+        assert engine.states[-3] is StepState.ASYNC
+        _assert_no_fallback(runner, num_async=5)
+    _assert_tokens(engine, prompts)
+    assert len(engine.tokens["b"]) == 4
 
 
-@pytest.mark.parametrize(
-    "new_set",
-    [("a",), ("a", "b", "c"), ("a", "c")],
-    ids=["finished", "joined", "replaced"],
-)
-def test_composition_change_costs_exactly_one_fallback(flow_and_calls, new_set) -> None:
-    flow, calls = flow_and_calls
-    flow.reinstate(_pending(("a", "b")))
-    _decode_step(flow, ("a", "b"))
-    choice = _decode_step(flow, new_set)
-    assert not choice.uses_future
-    assert len(calls.materialized) == 1  # the guard broke the flow, once
-    for _ in range(3):
-        assert _decode_step(flow, new_set).uses_future
-    assert flow.async_steps == 4
-    assert flow.sync_fallback_steps == 1
-    assert len(calls.materialized) == 1
+@pytest.mark.usefixtures("thread_device")
+def test_finish_on_max_tokens() -> None:
+    sched = ScriptedScheduler()
+    prompts = {"a": _prompt(3, 6), "b": _prompt(4, 11)}
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt)
+    with toy_runner(is_async=True) as runner:
+        engine = Engine(runner)
+        engine.run(sched.prefill("a"), sched.prefill("b"), sched.decode("a", "b"))
+        # a reached max_tokens: it leaves the batch a step before the
+        # scheduler lists it as finished.
+        without_a = sched.decode("b")
+        sched.finish("a")
+        engine.run_held(without_a, sched.decode("b"))
+        engine.run(sched.decode("b"))
+        _assert_no_fallback(runner, num_async=4)
+    _assert_tokens(engine, prompts)
+    assert len(engine.tokens["a"]) == 2 and len(engine.tokens["b"]) == 5
 
 
-def test_guard_materializes_before_the_state_update(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    pending = _pending(("a", "b"))
-    flow.reinstate(pending)
-    assert flow.guard(("a",)) is True
-    assert calls.materialized == [pending]
-    assert flow.guard(("a",)) is True  # same pending, still a different set
+@pytest.mark.usefixtures("thread_device")
+def test_abort() -> None:
+    sched = ScriptedScheduler()
+    prompts = {"a": _prompt(5, 4), "b": _prompt(6, 8), "c": _prompt(7, 3)}
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt)
+    with toy_runner(is_async=True) as runner:
+        engine = Engine(runner)
+        engine.run(*(sched.prefill(r) for r in prompts), sched.decode("a", "b", "c"))
+        held = sched.decode("a", "b", "c")
+        sched.finish("b")  # aborted by its client while that step runs
+        engine.run_held(held, sched.decode("a", "c"))
+        engine.run(sched.decode("a", "c"))
+        _assert_no_fallback(runner, num_async=4)
+        assert runner.get_async_scheduling_stats()["dead_tokens"] == 1
+    _assert_tokens(engine, prompts)
 
 
-def test_shape_mismatch_materializes_and_rebuilds(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    flow.reinstate(_pending(("a", "b"), rows=2))
-    flow.guard(("a", "b"))
-    choice = flow.choose_input_ids(("a", "b"), StepKind.DECODE, 4, DTYPE, True)
-    assert choice.must_rebuild and not choice.uses_future
-    assert len(calls.materialized) == 1
-    assert flow.sync_fallback_steps == 1
+@pytest.mark.usefixtures("thread_device")
+def test_reorder() -> None:
+    sched = ScriptedScheduler()
+    prompts = {"a": _prompt(8, 5), "b": _prompt(9, 7), "c": _prompt(10, 2)}
+    long_prompt = _prompt(11, 50)  # two chunks of 32
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt)
+    sched.add("d", long_prompt)
+    with toy_runner(is_async=True) as runner:
+        engine = Engine(runner)
+        engine.run(*(sched.prefill(r) for r in prompts), sched.decode("a", "b", "c"))
+        before = list(runner.input_batch.req_ids)
+        # A prompt chunk empties the batch; the decodes rejoin in a new order.
+        engine.run_held(sched.prefill("d", 32), sched.decode(*reversed(before)))
+        assert list(runner.input_batch.req_ids) == before[::-1]
+        engine.run(sched.decode("c", "a", "b"))
+        _assert_no_fallback(runner, num_async=3)
+    _assert_tokens(engine, prompts)
+    assert engine.tokens["d"] == []
 
 
-def test_dtype_mismatch_materializes_and_rebuilds(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    flow.reinstate(_pending(("a",)))
-    flow.guard(("a",))
-    choice = flow.choose_input_ids(("a",), StepKind.DECODE, 4, "int64", True)
-    assert choice.must_rebuild
-    assert len(calls.materialized) == 1
+@pytest.mark.usefixtures("thread_device")
+def test_non_final_prompt_chunk_between_decodes() -> None:
+    sched = ScriptedScheduler()
+    prompts = {"a": _prompt(12, 6), "d": _prompt(13, 70)}
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt)
+    with toy_runner(is_async=True) as runner:
+        engine = Engine(runner)
+        engine.run(sched.prefill("a"), sched.decode("a"))
+        engine.run_held(sched.prefill("d", 32), sched.decode("a"))
+        engine.run_held(sched.prefill("d", 32), sched.decode("a"))
+        engine.run(sched.prefill("d"), sched.decode("a", "d"))
+        assert engine.states.count(StepState.HOST_INPUTS) == 4
+        _assert_no_fallback(runner, num_async=4)
+    _assert_tokens(engine, prompts)
+    assert len(engine.tokens["d"]) == 2
 
 
-def test_same_set_reorder_remaps_the_future_as_a_fallback(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    flow.reinstate(_pending(("a", "b", "c"), token="fut"))
-    flow.guard(("c", "a", "b"))
-    choice = flow.choose_input_ids(("c", "a", "b"), StepKind.DECODE, 4, DTYPE, True)
-    assert choice.tokens == "fut"
-    assert choice.row_map == (2, 0, 1)
-    assert calls.materialized == []  # remapped on device, not read on the host
-    assert flow.state is FlowState.SYNC_FALLBACK
-    assert flow.stats()["sync_fallback_steps"] == 1
-
-
-def test_prefill_steps_use_host_inputs_and_are_counted_apart(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    flow.guard(("p",))
-    choice = flow.choose_input_ids(("p",), StepKind.PREFILL, 16, DTYPE, False)
-    assert not choice.uses_future and not choice.must_rebuild
-    flow.reinstate(None)  # a prompt chunk that is not the last samples nothing
-    assert flow.pending is None
-    assert flow.state is FlowState.HOST_INPUTS
-    assert flow.stats() == {
-        "async_steps": 0,
-        "sync_fallback_steps": 0,
-        "prefill_steps": 1,
-    }
-    assert calls.materialized == []
-
-
-def test_mixed_step_reading_a_device_token_takes_the_sync_path(flow_and_calls) -> None:
-    flow, calls = flow_and_calls
-    flow.reinstate(_pending(("a", "p")))
-    flow.guard(("a", "p"))  # same set: the guard does not break
-    choice = flow.choose_input_ids(("a", "p"), StepKind.MIXED, 16, DTYPE, True)
-    assert choice.must_rebuild
-    assert len(calls.materialized) == 1
-    assert flow.sync_fallback_steps == 1
-
-
-def test_reinstated_after_every_step_even_a_broken_one(flow_and_calls) -> None:
-    flow, _ = flow_and_calls
-    flow.reinstate(_pending(("a", "b")))
-    _decode_step(flow, ("a",))  # broken
-    assert flow.pending is not None and flow.pending.req_ids == ("a",)
-    assert _decode_step(flow, ("a",)).uses_future
+@pytest.mark.usefixtures("thread_device")
+def test_repetition_penalty_across_a_join() -> None:
+    """The model prefers repeating its input token; only a penalty that sees
+    that token (still on the device) in the history stops it."""
+    sched = ScriptedScheduler()
+    prompts = {"a": _prompt(14, 5), "b": _prompt(15, 8)}
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt, repetition_penalty=PENALTY)
+    with toy_runner(is_async=True, repeat_bias=True) as runner:
+        engine = Engine(runner)
+        engine.run(sched.prefill("a"), sched.decode("a"))
+        engine.run_held(sched.prefill("b"), sched.decode("a", "b"))
+        engine.run_held(sched.decode("b", "a"), sched.decode("a", "b"))
+        engine.run(sched.decode("a", "b"))
+        _assert_no_fallback(runner, num_async=5)
+    _assert_tokens(engine, prompts, penalty=PENALTY)
+    # Without the penalty (or with a history missing the newest token) the
+    # model would repeat its input token.
+    assert engine.tokens["b"] != expected_output(prompts["b"], 5, 1.0)

@@ -1,13 +1,8 @@
-"""The real runner, a toy model, and a simulated engine loop with both threads
-busy: the main thread builds step N+1 while the output thread materializes
-step N (as MultiprocExecutor's async_output_busy_loop does).
+"""The real runner on the toy model (``testing/toy_runner.py``) and a simulated
+engine loop with every thread busy: the main thread builds step N+1 while the
+device thread runs step N and the output thread materializes it (as
+MultiprocExecutor's async_output_busy_loop does)."""
 
-The toy model's next token depends on the previous token and its position, so a
-stale or misplaced input id (a host-state race, a wrong remap, a padded row
-leaking) changes every later token of that request.
-"""
-
-import contextlib
 import queue
 import random
 import threading
@@ -15,110 +10,21 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.worker.gpu_input_batch import InputBatch
 
-from vllm_neuron_sched.worker import model_runner as model_runner_module
+from vllm_neuron_sched.testing.toy_runner import (
+    CHUNK,
+    MAX_NUM_SEQS,
+    VOCAB,
+    MainThreadOnlyArray,
+    expected_output,
+    toy_runner,
+)
 from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
-
-VOCAB = 97
-MAX_LEN = 160
-CHUNK = 32
-MAX_NUM_SEQS = 6
-
-
-def next_token(token: int, position: int) -> int:
-    return (31 * token + 7 * position + 3) % VOCAB
-
-
-def expected_output(prompt: list[int], num_tokens: int) -> list[int]:
-    tokens, last = [], prompt[-1]
-    for k in range(num_tokens):
-        last = next_token(last, len(prompt) - 1 + k)
-        tokens.append(last)
-    return tokens
-
-
-class ToyModel(torch.nn.Module):
-    """hidden = (token, position); logits put all mass on next_token()."""
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        time.sleep(random.random() * 0.002)  # keep the device thread busy
-        return torch.stack([input_ids.to(torch.float32), positions.float()], dim=-1)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        tokens, positions = hidden[:, 0].long(), hidden[:, 1].long()
-        logits = torch.full((hidden.shape[0], VOCAB), -10.0)
-        logits[torch.arange(hidden.shape[0]), next_token(tokens, positions)] = 10.0
-        return logits
-
-
-class MainThreadOnlyArray(np.ndarray):
-    """Records every write made from a thread other than the main one: the
-    async output thread must never write the input batch."""
-
-    foreign_writers: list[str] = []
-
-    def __setitem__(self, key, value) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            MainThreadOnlyArray.foreign_writers.append(threading.current_thread().name)
-        super().__setitem__(key, value)
-
-
-def make_runner(
-    monkeypatch: pytest.MonkeyPatch, is_async: bool
-) -> NeuronSchedModelRunner:
-    monkeypatch.setattr(
-        model_runner_module, "get_tp_group", lambda: SimpleNamespace(rank_in_group=0)
-    )
-    monkeypatch.setattr(
-        model_runner_module,
-        "set_forward_context",
-        lambda *args, **kwargs: contextlib.nullcontext(),
-    )
-    config = SimpleNamespace(
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
-        speculative_config=None,
-        model_config=SimpleNamespace(
-            max_model_len=MAX_LEN,
-            get_vocab_size=lambda: VOCAB,
-            logprobs_mode="raw_logprobs",
-            runner_type="generate",
-            logits_processors=None,
-        ),
-        cache_config=None,
-        compilation_config=None,
-        scheduler_config=SimpleNamespace(
-            async_scheduling=is_async,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=CHUNK,
-        ),
-    )
-    runner = NeuronSchedModelRunner(config, torch.device("cpu"))  # type: ignore[arg-type]
-    runner.model = ToyModel()
-    runner.input_batch = InputBatch(
-        max_num_reqs=MAX_NUM_SEQS,
-        max_model_len=MAX_LEN,
-        max_num_batched_tokens=CHUNK,
-        device=torch.device("cpu"),
-        vocab_size=VOCAB,
-        block_sizes=[16],
-        max_num_blocks_per_req=[MAX_LEN // 16],
-        logitsprocs=LogitsProcessors(),
-    )
-    batch = runner.input_batch
-    MainThreadOnlyArray.foreign_writers.clear()
-    batch.token_ids_cpu = batch.token_ids_cpu.view(MainThreadOnlyArray)
-    batch.num_tokens_no_spec = batch.num_tokens_no_spec.view(MainThreadOnlyArray)
-    return runner
 
 
 @dataclass
@@ -154,6 +60,7 @@ class SimScheduler:
         self.finished_ids: set[str] = set()
         self.prev_scheduled: set[str] = set()
         self.num_dead_tokens = 0
+        self.num_sampling_steps = 0
         self.was_prefill = False
 
     def has_work(self) -> bool:
@@ -217,6 +124,11 @@ class SimScheduler:
                 budget -= n
         finished, self.finished_ids = self.finished_ids, set()
         self.prev_scheduled = set(num_scheduled)
+        scheduled = [
+            r for r in chosen_decodes + chosen_prefills if r.req_id in num_scheduled
+        ]
+        if any(r.num_computed >= len(r.prompt) for r in scheduled):
+            self.num_sampling_steps += 1
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -275,7 +187,7 @@ def run_engine_loop(
                 executed = scheduler_output.total_num_scheduled_tokens > 0
                 if executed:
                     result = runner.sample_tokens(None)
-                assert len(runner._in_flight) <= 2
+                assert len(runner.flow.in_flight) <= 2
                 future: Future = Future()
                 outputs.put((result, future))
                 batch_queue.appendleft(future)
@@ -286,7 +198,6 @@ def run_engine_loop(
     finally:
         outputs.put(None)
         thread.join(timeout=10)
-        runner.shutdown()
 
 
 @pytest.mark.parametrize("allow_mixed", [False, True], ids=["split", "mixed"])
@@ -294,10 +205,10 @@ def run_engine_loop(
 def test_async_runner_tokens_survive_races(
     monkeypatch: pytest.MonkeyPatch, seed: int, allow_mixed: bool
 ) -> None:
-    random.seed(seed)
-    runner = make_runner(monkeypatch, is_async=True)
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
     sched = SimScheduler(random.Random(seed), num_requests=24, allow_mixed=allow_mixed)
-    run_engine_loop(runner, sched, depth=2)
+    with toy_runner(is_async=True, max_delay_s=0.002) as runner:
+        run_engine_loop(runner, sched, depth=2)
 
     assert len(sched.done) == 24
     assert MainThreadOnlyArray.foreign_writers == []
@@ -314,9 +225,9 @@ def test_async_runner_on_each_device_backend(
     monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
     monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", device)
-    runner = make_runner(monkeypatch, is_async=True)
     sched = SimScheduler(random.Random(7), num_requests=10, allow_mixed=False)
-    run_engine_loop(runner, sched, depth=2)
+    with toy_runner(is_async=True, max_delay_s=0.002) as runner:
+        run_engine_loop(runner, sched, depth=2)
     assert runner.accelerator.name == device
     for r in sched.done:
         assert r.output == expected_output(r.prompt, len(r.output)), r.req_id
@@ -327,10 +238,14 @@ def test_async_runner_on_each_device_backend(
 def test_sync_runner_matches_the_toy_oracle(
     monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
-    runner = make_runner(monkeypatch, is_async=False)
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
     sched = SimScheduler(random.Random(seed), num_requests=12, allow_mixed=True)
-    run_engine_loop(runner, sched, depth=1)
+    with toy_runner(is_async=False, max_delay_s=0.002) as runner:
+        run_engine_loop(runner, sched, depth=1)
     for r in sched.done:
         assert r.output == expected_output(r.prompt, len(r.output)), r.req_id
     assert sched.num_dead_tokens == 0
-    assert runner.get_async_scheduling_stats()["async_steps"] == 0
+    stats = runner.get_async_scheduling_stats()
+    # Sync mode hands every sampling step's tokens back before the next step.
+    assert stats["async_steps"] == 0
+    assert stats["sync_fallback_steps"] == sched.num_sampling_steps > 0

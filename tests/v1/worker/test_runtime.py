@@ -268,11 +268,11 @@ def test_sim_latency_holds_device_while_host_progresses(new_device, monkeypatch)
     hold = device._hold_and_record
     seen_during_hold: list[tuple[str, bool]] = []
 
-    def observed_hold(start: float) -> None:
+    def observed_hold(execution, start: float) -> None:
         if not holding.is_set():
             holding.set()
             assert host_done.wait(WAIT_S)
-        hold(start)
+        hold(execution, start)
 
     monkeypatch.setattr(device, "_hold_and_record", observed_hold)
     futures = [device.enqueue(lambda i=i: i) for i in range(num_executions)]
@@ -318,7 +318,7 @@ def test_neuron_without_torch_neuronx_says_what_to_install(monkeypatch):
 
 
 def test_unknown_kind_lists_valid_kinds():
-    with pytest.raises(ValueError, match="thread, inline, neuron"):
+    with pytest.raises(ValueError, match="auto, thread, inline, neuron"):
         make_device("cuda")
 
 
@@ -329,12 +329,27 @@ def test_envs_select_backend_and_latency(monkeypatch, new_device):
     assert isinstance(device, InlineDevice)
     assert device.name == "inline"
     assert device.sim_device_s == pytest.approx(0.0025)
-    monkeypatch.delenv("VLLM_NEURON_SCHED_DEVICE")
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
     monkeypatch.delenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS")
     device = make_device(name="envs")
     try:
         assert isinstance(device, ThreadDevice)
         assert device.name == "thread"
         assert device.sim_device_s == 0.0
+    finally:
+        device.shutdown()
+
+
+def test_auto_runs_inline_on_the_workers_cores_and_threads_a_held_device(
+    monkeypatch,
+):
+    """The default: a CPU worker's device is its own cores (inline); a
+    simulated device latency frees them, which only a device thread uses."""
+    monkeypatch.delenv("VLLM_NEURON_SCHED_DEVICE", raising=False)
+    monkeypatch.delenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", raising=False)
+    assert isinstance(make_device(), InlineDevice)
+    device = make_device(sim_device_ms=1.0)
+    try:
+        assert isinstance(device, ThreadDevice)
     finally:
         device.shutdown()

@@ -1,97 +1,100 @@
-"""The benchmarks' step timeline (worker/timeline.py): structure only, never
-durations. A stand-in runner drives a real thread device the way the model
-runner does (enqueue in execute_model and sample_tokens, materialize at the
-next step's start)."""
+"""The benchmarks' step timeline (worker/timeline.py), subscribed to the real
+runner's async flow on the toy model: structure only, never durations."""
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from vllm_neuron_sched.runtime import DeviceFuture, make_device
+from vllm_neuron_sched.testing.toy_runner import (
+    ScriptedScheduler,
+    read_output,
+    run_step,
+    toy_runner,
+)
 from vllm_neuron_sched.worker.timeline import DEVICE, HOST, WAIT, StepTimeline
 
-NUM_STEPS = 6
+NUM_DECODES = 6
+MAIN = "MainThread"
 
 
-class _Runner:
-    def __init__(self) -> None:
-        self.accelerator = make_device("thread", 1.0, "tp0")
-        self._pending: SimpleNamespace | None = None
-
-    def execute_model(self, scheduler_output: Any) -> None:
-        if self._pending is not None:
-            self._apply_sampled_tokens(self._pending)
-        self.accelerator.enqueue(sum, [1, 2])
-
-    def sample_tokens(self, grammar_output: Any) -> None:
-        future: DeviceFuture[int] = self.accelerator.enqueue(sum, [3, 4])
-        self._pending = SimpleNamespace(next_input_ids=future)
-
-    def _apply_sampled_tokens(self, step: SimpleNamespace) -> None:
-        step.next_input_ids.result()
-
-
-@pytest.fixture
-def recorded() -> dict[str, Any]:
-    runner = _Runner()
+def _record(is_async: bool) -> dict[str, Any]:
+    """A prefill then decodes of two requests; outputs read one step late
+    (async) or at once (sync), as the engine does."""
+    sched = ScriptedScheduler()
+    sched.add("a", [3, 1, 4, 1, 5])
+    sched.add("b", [9, 2, 6])
     timeline = StepTimeline()
-    timeline.instrument(runner)
-    scheduler_output = SimpleNamespace(
-        num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2
-    )
-    for _ in range(NUM_STEPS):
-        runner.execute_model(scheduler_output)
-        runner.sample_tokens(None)
-    runner.accelerator.synchronize()
-    runner.accelerator.shutdown()
+    with toy_runner(is_async=is_async) as runner:
+        runner.flow.subscribe(timeline)
+        steps = [sched.prefill("a"), sched.prefill("b")]
+        steps += [sched.decode("a", "b") for _ in range(NUM_DECODES)]
+        unread: list[Any] = []
+        for scheduler_output in steps:
+            unread.append(run_step(runner, scheduler_output))
+            if len(unread) == 2 or not is_async:
+                read_output(unread.pop(0))
+        for output in unread:
+            read_output(output)
     return timeline.snapshot(clear=True)
 
 
-def _by_thread(intervals: list[list[Any]], kind: str) -> dict[str, list[list[Any]]]:
-    threads: dict[str, list[list[Any]]] = {}
-    for interval in intervals:
-        if interval[0] == kind:
-            threads.setdefault(interval[3], []).append(interval)
-    return threads
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def recorded(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
+    monkeypatch.setenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", "1")
+    return _record(request.param), request.param
 
 
-def test_steps_are_numbered_in_order(recorded: dict[str, Any]) -> None:
-    steps = recorded["steps"]
-    assert [s[0] for s in steps] == list(range(1, NUM_STEPS + 1))
-    assert all(s[2] == 2 and s[3] == 2 for s in steps)
+def test_steps_are_numbered_in_order(recorded) -> None:
+    timeline, _ = recorded
+    steps = timeline["steps"]
+    assert [s[0] for s in steps] == list(range(1, NUM_DECODES + 3))
+    assert [(s[2], s[3]) for s in steps[:2]] == [(1, 5), (1, 3)]
+    assert all((s[2], s[3]) == (2, 2) for s in steps[2:])
     starts = [s[1] for s in steps]
     assert starts == sorted(starts)
 
 
-def test_intervals_ordered_and_disjoint_per_thread(recorded: dict[str, Any]) -> None:
-    intervals = recorded["intervals"]
-    host = _by_thread(
-        [i for i in intervals if i[1] in ("execute_model", "sample_tokens")], HOST
-    )
-    device = _by_thread(intervals, DEVICE)
-    assert len(device) == 1 and "tp0-thread" in device
-    for per_thread in [*host.values(), *device.values()]:
-        ordered = sorted(per_thread, key=lambda i: i[4])
-        for earlier, later in zip(ordered, ordered[1:]):
-            assert earlier[4] <= earlier[5] <= later[4]
+def test_host_intervals_are_ordered_and_disjoint_on_the_main_thread(recorded):
+    timeline, _ = recorded
+    host = [
+        i
+        for i in timeline["intervals"]
+        if i[0] == HOST and i[1] in ("execute_model", "sample_tokens")
+    ]
+    assert {i[3] for i in host} == {MAIN}
+    names = [i[1] for i in sorted(host, key=lambda i: i[4])]
+    assert names == ["execute_model", "sample_tokens"] * (NUM_DECODES + 2)
+    ordered = sorted(host, key=lambda i: i[4])
+    for earlier, later in zip(ordered, ordered[1:]):
+        assert earlier[4] <= earlier[5] <= later[4]
 
 
-def test_device_runs_are_tagged_with_the_enqueuing_step(
-    recorded: dict[str, Any],
-) -> None:
-    device = [i for i in recorded["intervals"] if i[0] == DEVICE]
+def test_device_runs_are_tagged_with_the_enqueuing_step(recorded) -> None:
+    timeline, _ = recorded
+    device = [i for i in timeline["intervals"] if i[0] == DEVICE]
+    assert {i[3] for i in device} == {"tp0-thread"}
+    # Each step: its forward, then its sampling.
     assert sorted(i[2] for i in device) == sorted(
-        [step for step in range(1, NUM_STEPS + 1) for _ in range(2)]
+        step for step in range(1, NUM_DECODES + 3) for _ in range(2)
     )
 
 
-def test_waits_nest_in_materialize(recorded: dict[str, Any]) -> None:
-    intervals = recorded["intervals"]
-    materialize = [i for i in intervals if i[1] == "materialize"]
-    assert len(materialize) == NUM_STEPS - 1
-    for wait in (i for i in intervals if i[0] == WAIT):
-        assert any(m[4] <= wait[4] <= wait[5] <= m[5] for m in materialize)
+def test_waits_happen_only_where_the_mode_says(recorded) -> None:
+    """Sync: the main thread waits for every step's tokens, inside
+    sample_tokens. Async: it never waits; reading outputs may."""
+    timeline, is_async = recorded
+    intervals = timeline["intervals"]
+    main_waits = [i for i in intervals if i[0] == WAIT and i[3] == MAIN]
+    sample_tokens = [i for i in intervals if i[1] == "sample_tokens"]
+    if is_async:
+        # Outputs are read on the test's (main) thread, outside the steps.
+        for wait in main_waits:
+            assert not any(s[4] <= wait[4] <= s[5] for s in sample_tokens)
+    else:
+        assert len(main_waits) == NUM_DECODES + 2
+        for wait in main_waits:
+            assert any(s[4] <= wait[4] <= wait[5] <= s[5] for s in sample_tokens)
 
 
 def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,250 @@
+"""The real model runner around a toy model, without an engine: for tests of
+the async flow that must see every token.
+
+The toy model's next token depends on the previous token and its position, so
+a stale or misplaced input id (a host-state race, a token taken from the
+wrong row or step, a padded row leaking) changes every later token of that
+request. ``ScriptedScheduler`` writes the ``SchedulerOutput`` of each step by
+hand, the way vLLM's scheduler would, so a test decides exactly which requests
+join, finish, get aborted or run a prompt chunk in which step.
+"""
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from unittest import mock
+
+import numpy as np
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.worker.gpu_input_batch import InputBatch
+
+from vllm_neuron_sched.worker import model_runner as model_runner_module
+from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
+
+VOCAB = 97
+MAX_LEN = 160
+CHUNK = 32
+MAX_NUM_SEQS = 6
+# The model's logit for its next token, and (with ``repeat_bias``) for
+# repeating its input token: higher, so only a repetition penalty that sees
+# the input token in the history stops the repeat.
+NEXT_LOGIT = 10.0
+REPEAT_LOGIT = 10.5
+
+
+def next_token(token, position):
+    """The toy model's greedy next token (ints or tensors)."""
+    return (31 * token + 7 * position + 3) % VOCAB
+
+
+def expected_output(
+    prompt: list[int], num_tokens: int, repetition_penalty: float | None = None
+) -> list[int]:
+    """Greedy tokens of the toy model; with ``repetition_penalty`` those of
+    the repeat-biased model under vLLM's repetition penalty (positive logits
+    of tokens seen in the prompt or output are divided by it)."""
+    tokens: list[int] = []
+    last = prompt[-1]
+    for k in range(num_tokens):
+        following = next_token(last, len(prompt) - 1 + k)
+        if repetition_penalty is not None and following != last:
+            seen = set(prompt) | set(tokens)
+            scores = {following: NEXT_LOGIT, last: REPEAT_LOGIT}
+            for token in scores:
+                if token in seen:
+                    scores[token] /= repetition_penalty
+            following = max(scores, key=lambda t: (scores[t], -t))
+        last = following
+        tokens.append(last)
+    return tokens
+
+
+class ToyModel(torch.nn.Module):
+    """hidden = (token, position); logits put the mass on ``next_token``."""
+
+    def __init__(self, repeat_bias: bool = False, max_delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.repeat_bias = repeat_bias
+        self.max_delay_s = max_delay_s
+        self._rng = np.random.default_rng(0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.max_delay_s:  # keep the device thread busy for a while
+            time.sleep(float(self._rng.random()) * self.max_delay_s)
+        return torch.stack([input_ids.to(torch.float32), positions.float()], dim=-1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        tokens, positions = hidden[:, 0].long(), hidden[:, 1].long()
+        rows = torch.arange(hidden.shape[0])
+        logits = torch.full((hidden.shape[0], VOCAB), -10.0)
+        if self.repeat_bias:
+            logits[rows, tokens % VOCAB] = REPEAT_LOGIT
+        logits[rows, next_token(tokens, positions)] = NEXT_LOGIT
+        return logits
+
+
+class MainThreadOnlyArray(np.ndarray):
+    """Records every write made from a thread other than the main one: the
+    async output thread must never write the input batch."""
+
+    foreign_writers: list[str] = []
+
+    def __setitem__(self, key, value) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            MainThreadOnlyArray.foreign_writers.append(threading.current_thread().name)
+        super().__setitem__(key, value)
+
+
+@contextlib.contextmanager
+def toy_runner(
+    is_async: bool, repeat_bias: bool = False, max_delay_s: float = 0.0
+) -> Iterator[NeuronSchedModelRunner]:
+    """Our runner (its device from ``VLLM_NEURON_SCHED_DEVICE``) on the toy
+    model, with no distributed group and no attention backend."""
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        speculative_config=None,
+        model_config=SimpleNamespace(
+            max_model_len=MAX_LEN,
+            get_vocab_size=lambda: VOCAB,
+            logprobs_mode="raw_logprobs",
+            runner_type="generate",
+            logits_processors=None,
+        ),
+        cache_config=None,
+        compilation_config=None,
+        scheduler_config=SimpleNamespace(
+            async_scheduling=is_async,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=CHUNK,
+        ),
+    )
+    no_context = mock.patch.object(
+        model_runner_module,
+        "set_forward_context",
+        lambda *args, **kwargs: contextlib.nullcontext(),
+    )
+    rank_zero = mock.patch.object(
+        model_runner_module, "get_tp_group", lambda: SimpleNamespace(rank_in_group=0)
+    )
+    with no_context, rank_zero:
+        runner = NeuronSchedModelRunner(config, torch.device("cpu"))  # type: ignore[arg-type]
+        runner.model = ToyModel(repeat_bias, max_delay_s)
+        runner.input_batch = InputBatch(
+            max_num_reqs=MAX_NUM_SEQS,
+            max_model_len=MAX_LEN,
+            max_num_batched_tokens=CHUNK,
+            device=torch.device("cpu"),
+            vocab_size=VOCAB,
+            block_sizes=[16],
+            max_num_blocks_per_req=[MAX_LEN // 16],
+            logitsprocs=LogitsProcessors(),
+        )
+        batch = runner.input_batch
+        MainThreadOnlyArray.foreign_writers.clear()
+        batch.token_ids_cpu = batch.token_ids_cpu.view(MainThreadOnlyArray)
+        batch.num_tokens_no_spec = batch.num_tokens_no_spec.view(MainThreadOnlyArray)
+        try:
+            yield runner
+        finally:
+            runner.shutdown()
+
+
+def run_step(
+    runner: NeuronSchedModelRunner, scheduler_output: SchedulerOutput
+) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    """One engine step: execute_model, then sample_tokens if it asked for it."""
+    output = runner.execute_model(scheduler_output)
+    if output is None:
+        output = runner.sample_tokens(None)
+    return output
+
+
+def read_output(
+    output: ModelRunnerOutput | AsyncModelRunnerOutput,
+) -> ModelRunnerOutput:
+    """What the engine gets back (the output thread's read, in async mode)."""
+    if isinstance(output, AsyncModelRunnerOutput):
+        return output.get_output()
+    return output
+
+
+@dataclass
+class ScriptedRequest:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    num_computed: int = 0
+    num_output: int = 0  # sampled tokens, read back or not
+    is_new: bool = True
+
+
+@dataclass
+class ScriptedScheduler:
+    """Writes each step's ``SchedulerOutput`` as vLLM's scheduler would for
+    the requests a test names: prompt chunks, decodes, finishes."""
+
+    requests: dict[str, ScriptedRequest] = field(default_factory=dict)
+    _finished: set[str] = field(default_factory=set)
+
+    def add(
+        self, req_id: str, prompt: list[int], repetition_penalty: float = 1.0
+    ) -> None:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=MAX_LEN, repetition_penalty=repetition_penalty
+        )
+        self.requests[req_id] = ScriptedRequest(req_id, list(prompt), params)
+
+    def finish(self, req_id: str) -> None:
+        """Stopped (EOS, stop string, max_tokens) or aborted: the next step
+        lists it as finished."""
+        self._finished.add(req_id)
+        del self.requests[req_id]
+
+    def prefill(self, req_id: str, num_tokens: int | None = None) -> SchedulerOutput:
+        """One prompt chunk (the rest of the prompt by default)."""
+        request = self.requests[req_id]
+        left = len(request.prompt) - request.num_computed
+        return self._step({req_id: left if num_tokens is None else num_tokens})
+
+    def decode(self, *req_ids: str) -> SchedulerOutput:
+        return self._step(dict.fromkeys(req_ids, 1))
+
+    def _step(self, num_scheduled: dict[str, int]) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData([], set(), [], {}, [], [], [])
+        for req_id, num_tokens in num_scheduled.items():
+            r = self.requests[req_id]
+            if r.is_new:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id, list(r.prompt), [], r.params, None, ([],), 0, None
+                    )
+                )
+                r.is_new = False
+            else:
+                cached.req_ids.append(req_id)
+                cached.new_block_ids.append(None)
+                cached.num_computed_tokens.append(r.num_computed)
+                cached.num_output_tokens.append(r.num_output)
+            r.num_computed += num_tokens
+            if r.num_computed >= len(r.prompt):
+                r.num_output += 1
+        finished, self._finished = self._finished, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=finished,
+            free_encoder_mm_hashes=[],
+        )
