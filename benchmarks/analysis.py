@@ -42,6 +42,8 @@ def step_figures(timeline: dict[str, Any] | None, batch: int) -> dict[str, Any]:
             continue
         if kind == "device":
             device[step] += end - start
+            if thread == MAIN_THREAD:  # an inline device, inside host work
+                host[step] -= end - start
         elif kind == "host" and thread == MAIN_THREAD and name in TOP_LEVEL_HOST:
             host[step] += end - start
         elif kind == "wait" and thread == MAIN_THREAD:
@@ -110,6 +112,18 @@ def chrome_trace(timelines: dict[str, dict[str, Any]], path: Path) -> None:
 
 def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def check_plotting() -> None:
+    """Fails at once, not after the last engine, when the plots cannot be
+    drawn (matplotlib is in the ``bench`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"benchmarks need matplotlib for the timeline plots ({exc}): "
+            'pip install -e ".[test,bench]"'
+        ) from exc
 
 
 def plot_timelines(

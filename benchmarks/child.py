@@ -146,6 +146,7 @@ def run_workload(llm: Any, workload: Workload, tag: str) -> dict[str, Any]:
     engine = llm.llm_engine
     order = sorted(range(len(workload.prompts)), key=lambda i: workload.arrivals[i])
     timings: dict[str, RequestTiming] = {}
+    steps: list[tuple[float, int]] = []  # (stamp, output tokens) per step()
     start = time.perf_counter()
     next_index = 0
     while next_index < len(order) or engine.has_unfinished_requests():
@@ -163,6 +164,7 @@ def run_workload(llm: Any, workload: Workload, tag: str) -> dict[str, Any]:
             continue
         outputs = engine.step()
         stamp = time.perf_counter()
+        num_step_tokens = 0
         for output in outputs:
             timing = timings[output.request_id]
             num_new = len(output.outputs[0].token_ids)
@@ -170,8 +172,10 @@ def run_workload(llm: Any, workload: Workload, tag: str) -> dict[str, Any]:
                 timing.first_token = timing.first_token or stamp
                 timing.last_token = stamp
                 timing.num_tokens += num_new
+                num_step_tokens += num_new
             if output.finished:
                 timing.finish_reason = output.outputs[0].finish_reason
+        steps.append((stamp, num_step_tokens))
     elapsed = time.perf_counter() - start
     ttfts = [t.first_token - t.arrival for t in timings.values() if t.first_token]
     tpots = [
@@ -185,11 +189,27 @@ def run_workload(llm: Any, workload: Workload, tag: str) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "output_tokens": num_tokens,
         "output_tok_s": num_tokens / elapsed,
+        "steady_tok_s": _steady_tok_s(timings, steps),
         "ttft_s": _median(ttfts),
         "tpot_s": _median(tpots),
         "num_finished_stop": reasons.count("stop"),
         "num_finished_length": reasons.count("length"),
     }
+
+
+def _steady_tok_s(
+    timings: dict[str, RequestTiming], steps: list[tuple[float, int]]
+) -> float | None:
+    """Output tokens/s while every request decodes: from the last request's
+    first token to the first request's last one. The same decode batch in
+    every mode, whatever each scheduler does to start it."""
+    firsts = [t.first_token for t in timings.values() if t.first_token]
+    lasts = [t.last_token for t in timings.values() if t.last_token]
+    if len(firsts) != len(timings) or not lasts:
+        return None
+    begin, end = max(firsts), min(lasts)
+    tokens = sum(n for stamp, n in steps if begin < stamp <= end)
+    return tokens / (end - begin) if end > begin and tokens else None
 
 
 def _median(values: list[float]) -> float | None:
@@ -236,7 +256,6 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                 run_workload(llm, warm, f"{name}-warm")
             repeats = []
             for r in range(wl_spec["repeats"]):
-                _rpc(llm, "get_step_timeline", True)  # clear
                 before = _rpc(llm, "get_async_scheduling_stats")
                 figures = run_workload(llm, workload, f"{name}-{r}")
                 figures["sched_stats"] = _stats_delta(
@@ -244,7 +263,12 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                 )
                 repeats.append(figures)
                 _progress()
-            timeline = _rpc(llm, "get_step_timeline") if wl_spec.get("trace") else None
+            timeline = None
+            if wl_spec.get("trace"):  # one more run, timed: not in the figures
+                _rpc(llm, "set_step_timeline", True)
+                run_workload(llm, workload, f"{name}-traced")
+                timeline = _rpc(llm, "get_step_timeline")
+                _rpc(llm, "set_step_timeline", False)
             result["workloads"][name] = {"repeats": repeats, "timeline": timeline}
     result["peak_rss_mb"] = rss.peak_mb
     return result
@@ -252,11 +276,12 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_overlap(llm: Any, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
     """A fixed decode batch per simulated device latency; per-step figures
-    come from the worker's timeline (needs VLLM_NEURON_SCHED_TIMELINE=1)."""
+    come from the worker's timeline, recorded for this sweep."""
     from benchmarks.analysis import step_figures
 
     workload = make_workload({**spec, "kind": "batch"}, vocab)
     points: dict[str, Any] = {}
+    _rpc(llm, "set_step_timeline", True)
     for sim_ms in spec["sim_ms"]:
         _rpc(llm, "set_sim_device_ms", float(sim_ms))
         run_workload(llm, workload, f"overlap{sim_ms}-warm")
@@ -270,6 +295,7 @@ def run_overlap(llm: Any, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
             _progress()
         points[str(sim_ms)] = {"repeats": repeats, "timeline": timeline}
     _rpc(llm, "set_sim_device_ms", 0.0)
+    _rpc(llm, "set_step_timeline", False)
     return {"points": points}
 
 

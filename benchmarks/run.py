@@ -5,10 +5,13 @@ one after the other, so they never compete for the cores:
 
 - ``stock``: stock vLLM CPU (``VLLM_NEURON_SCHED_DISABLE=1``), synchronous;
 - ``stock_async``: vLLM's own CPU worker behind our platform, async forced on;
-- ``sync`` / ``async``: our worker, async scheduling off / on.
+- ``sync`` / ``async``: our worker, async scheduling off / on (the default
+  device backend); the ``overlap`` sweep runs in engines of its own with a
+  device thread (the simulated device needs one).
 
-Writes ``--json`` (default ``benchmarks/results/bench.json``), a Chrome trace
-and a PNG of the step timeline under ``--out``. See benchmarks/README.md.
+Writes ``--json`` (default ``benchmarks/results/bench.json``) first, then a
+Chrome trace and PNGs of the step timeline under ``--out``. See
+benchmarks/README.md.
 """
 
 import argparse
@@ -24,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.analysis import chrome_trace, plot_timelines
+from benchmarks.analysis import check_plotting, chrome_trace, plot_timelines
 from benchmarks.child import PROGRESS_MARKER, RESULT_MARKER
 
 MODES = ("stock", "stock_async", "sync", "async")
@@ -44,6 +47,13 @@ def workloads(quick: bool, repeats: int) -> dict[str, dict[str, Any]]:
     """Real-model workloads (all modes) and the overlap sweep (ours only)."""
     scale = 2 if quick else 1
     return {
+        "steady": {  # a fixed decode batch: our runner against vLLM's
+            "kind": "batch",
+            "num_requests": 16,
+            "prompt_len": 16,
+            "max_tokens": 128 // scale,
+            "repeats": repeats,
+        },
         "decode_heavy": {
             "kind": "batch",
             "num_requests": 64 // scale,
@@ -70,7 +80,11 @@ def workloads(quick: bool, repeats: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def config_spec(model: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def config_spec(
+    model: str, mode: str, group: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine's workloads: ``group`` "main" (everything but the overlap
+    sweep) or "overlap" (the sweep alone, ours only, small model)."""
     path, _ = MODELS[model]
     engine_kwargs: dict[str, Any] = {
         "dtype": "float32",
@@ -84,18 +98,26 @@ def config_spec(model: str, mode: str, args: argparse.Namespace) -> dict[str, An
     if mode == "stock_async":
         engine_kwargs["worker_cls"] = "vllm.v1.worker.cpu_worker.CPUWorker"
     all_workloads = workloads(args.quick, args.repeats)
-    names = ["decode_heavy"] if args.quick and model == "large" else list(all_workloads)
-    if mode not in ("sync", "async") or model != "small":
-        names = [n for n in names if n != "overlap"]
+    names = [n for n in all_workloads if n in args.workloads]
+    if args.quick and model == "large":
+        names = [n for n in names if n == "decode_heavy"]
+    names = [n for n in names if (n == "overlap") == (group == "overlap")]
     specs = []
     for name in names:
         spec = {"name": name, **all_workloads[name]}
-        spec["trace"] = name == "decode_heavy" and mode in ("sync", "async")
+        spec["trace"] = name in ("steady", "decode_heavy") and mode in ("sync", "async")
         specs.append(spec)
     return {"model": str(path), "engine_kwargs": engine_kwargs, "workloads": specs}
 
 
-def config_env(mode: str) -> dict[str, str]:
+def config_groups(model: str, mode: str, args: argparse.Namespace) -> list[str]:
+    groups = ["main"]
+    if "overlap" in args.workloads and model == "small" and mode in ("sync", "async"):
+        groups.append("overlap")
+    return groups
+
+
+def config_env(mode: str, group: str) -> dict[str, str]:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -103,9 +125,11 @@ def config_env(mode: str) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_NEURON_SCHED_STATS_INTERVAL_S": "0",
         "VLLM_NEURON_SCHED_DISABLE": "1" if mode == "stock" else "0",
-        "VLLM_NEURON_SCHED_TIMELINE": "1" if mode in ("sync", "async") else "0",
+        "VLLM_NEURON_SCHED_TIMELINE": "0",  # the child times what it traces
         "VLLM_NEURON_SCHED_SIM_DEVICE_MS": "0",
     }
+    if group == "overlap":
+        env["VLLM_NEURON_SCHED_DEVICE"] = "thread"
     return env
 
 
@@ -187,10 +211,11 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
         "async_step_fraction": {},
         "dead_tokens_per_request": {},
         "ttft_extra_steps": {},
+        "steady_async_over": {},
     }
     peak_rss: dict[str, dict[str, float]] = {}
     for model, modes in raw.items():
-        peak_rss[model] = {mode: r["peak_rss_mb"] for mode, r in modes.items()}
+        peak_rss[model] = {mode: r.get("peak_rss_mb") for mode, r in modes.items()}
         names = {n for r in modes.values() for n in r["workloads"] if n != "overlap"}
         for name in sorted(names):
             reps = {
@@ -200,8 +225,14 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
             }
             figures.setdefault(model, {})[name] = {
                 mode: {
-                    key: spread([rep[key] for rep in rs])
-                    for key in ("output_tok_s", "ttft_s", "tpot_s", "elapsed_s")
+                    key: spread([rep.get(key) for rep in rs])
+                    for key in (
+                        "output_tok_s",
+                        "steady_tok_s",
+                        "ttft_s",
+                        "tpot_s",
+                        "elapsed_s",
+                    )
                 }
                 for mode, rs in reps.items()
             }
@@ -216,6 +247,12 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
                         ratios[label][key] = paired_ratio(
                             reps["async"], reps[other], "output_tok_s"
                         )
+                if name == "steady":  # the same decode batch in every mode
+                    ratios["steady_async_over"][key] = {
+                        other: paired_ratio(reps["async"], reps[other], "steady_tok_s")
+                        for other in reps
+                        if other != "async"
+                    }
                 ratios["async_step_fraction"][key] = _step_fraction(reps["async"])
                 ratios["dead_tokens_per_request"][key] = _dead_tokens(reps["async"])
                 if "sync" in reps:
@@ -379,10 +416,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--models", default=None, help="comma list: small,large")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list")
+    parser.add_argument(
+        "--workloads",
+        default="steady,decode_heavy,mixed,overlap",
+        help="comma list: steady,decode_heavy,mixed,overlap",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--timeout", type=float, default=1200, help="s per config")
     args = parser.parse_args(argv)
+    args.workloads = args.workloads.split(",")
+    check_plotting()  # before any engine starts, not after the last one
     models = (args.models or ("small" if args.quick else "small,large")).split(",")
     modes = [m for m in MODES if m in args.modes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -390,21 +434,38 @@ def main(argv: list[str] | None = None) -> None:
     ensure_models(models)
 
     load_start = os.getloadavg()
-    configs = [(model, mode) for model in models for mode in modes]
+    configs = [
+        (model, mode, group)
+        for model in models
+        for mode in modes
+        for group in config_groups(model, mode, args)
+    ]
     specs = {c: config_spec(*c, args) for c in configs}
     raw: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     with tqdm(total=sum(num_units(s) for s in specs.values()), unit="run") as bar:
-        for model, mode in configs:
-            bar.set_description(f"{model}/{mode}")
-            log = args.out / f"{model}_{mode}.log"
+        for model, mode, group in configs:
+            name = f"{model}/{mode}" + ("/overlap" if group == "overlap" else "")
+            bar.set_description(name)
+            log = args.out / f"{name.replace('/', '_')}.log"
             try:
-                raw.setdefault(model, {})[mode] = run_child(
-                    specs[model, mode], config_env(mode), log, bar, args.timeout
+                result = run_child(
+                    specs[model, mode, group],
+                    config_env(mode, group),
+                    log,
+                    bar,
+                    args.timeout,
                 )
             except RuntimeError as exc:  # report it, run the others
-                errors[f"{model}/{mode}"] = str(exc)[-2000:]
-                bar.write(f"{model}/{mode} failed, see {log}")
+                errors[name] = str(exc)[-2000:]
+                bar.write(f"{name} failed, see {log}")
+                continue
+            runs = raw.setdefault(model, {})
+            if group == "main":
+                runs[mode] = {**result, **runs.get(mode, {})}
+            else:
+                runs.setdefault(mode, {"workloads": {}})
+                runs[mode]["workloads"].update(result["workloads"])
     report = {
         "command": " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])]),
         "quick": args.quick,
@@ -413,15 +474,21 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg_end": os.getloadavg(),
         "workloads": workloads(args.quick, args.repeats),
         **summarize(raw, args.quick),
-        "artefacts": write_artefacts(raw, args, args.out),
         "errors": errors,
         "startup_s": {
-            model: {mode: r["startup_s"] for mode, r in runs.items()}
+            model: {mode: r.get("startup_s") for mode, r in runs.items()}
             for model, runs in raw.items()
         },
     }
+    # The figures first: a failing plot must not lose them.
     json_path.write_text(json.dumps(report, indent=2))
     (args.out / "raw.json").write_text(json.dumps(raw))
+    try:
+        report["artefacts"] = write_artefacts(raw, args, args.out)
+    except Exception as exc:
+        report["artefacts"] = {"error": repr(exc)}
+        print(f"timeline artefacts failed ({exc!r}); the figures are in {json_path}")
+    json_path.write_text(json.dumps(report, indent=2))
     print_summary(report)
     print(f"report: {json_path}")
 

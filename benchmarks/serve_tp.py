@@ -13,78 +13,25 @@ machine TP=4 measures the cost of the extra ranks, not a speed-up.
 
 import argparse
 import asyncio
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import openai
 
-MODEL = "tiny-llama"
+from vllm_neuron_sched.testing.server import (
+    SERVED_MODEL,
+    OpenAIServer,
+    engine_args,
+    thread_binding,
+)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _thread_binding(tp: int) -> str:
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
-
-
-def start_server(checkpoint: Path, tp: int, max_num_seqs: int, log: Path):
-    port = _free_port()
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_CPU_OMP_THREADS_BIND": _thread_binding(tp),
-    }
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(checkpoint), "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--tensor-parallel-size", str(tp), "--dtype", "float32",
-        "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs),
-        "--enforce-eager", "--seed", "0",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    stop_server(proc)
-    raise TimeoutError(f"server not healthy; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=30)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "seed": 0,
+}
 
 
 async def measure(url: str, num_requests: int, max_tokens: int) -> float:
@@ -93,7 +40,7 @@ async def measure(url: str, num_requests: int, max_tokens: int) -> float:
 
     async def one(prompt: str) -> int:
         response = await client.completions.create(
-            model=MODEL,
+            model=SERVED_MODEL,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=0.0,
@@ -105,14 +52,6 @@ async def measure(url: str, num_requests: int, max_tokens: int) -> float:
     start = time.perf_counter()
     num_tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
     return num_tokens / (time.perf_counter() - start)
-
-
-def counters(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"^vllm:neuron_sched_(\w+)_total (\S+)$", text, re.M)
-    }
 
 
 def main() -> None:
@@ -128,14 +67,22 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="serve_tp_"))
     results = {}
     for tp in args.tp:
+        server_args = [
+            "--tensor-parallel-size", str(tp), "--max-num-seqs", str(args.requests),
+            *engine_args(ENGINE),
+        ]  # fmt: skip
+        env = {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(tp)}
         log = logs / f"tp{tp}.log"
-        proc, url = start_server(checkpoint, tp, args.requests, log)
-        try:
+        with OpenAIServer.start(checkpoint, server_args, log, env) as server:
+            url = server.url
             tokens_per_s = asyncio.run(measure(url, args.requests, args.max_tokens))
             results[tp] = tokens_per_s
-            print(f"TP={tp}: {tokens_per_s:.1f} output tok/s  {counters(url)}")
-        finally:
-            stop_server(proc)
+            counters = {
+                name.removeprefix("vllm:neuron_sched_"): value
+                for name, value in server.metrics().items()
+                if name.startswith("vllm:neuron_sched_") and name.endswith("_total")
+            }
+            print(f"TP={tp}: {tokens_per_s:.1f} output tok/s  {counters}")
     if 1 in results:
         for tp, value in results.items():
             print(f"TP={tp} / TP=1: {value / results[1]:.2f}")

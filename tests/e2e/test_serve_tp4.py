@@ -11,29 +11,28 @@ the async scheduling counters.
 
 import asyncio
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from vllm_neuron_sched.metrics import METRICS_DIR_ENV
 from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.server import (
+    SERVED_MODEL,
+    OpenAIServer,
+    engine_args,
+    parse_metrics,
+    thread_binding,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TP = 4
-MODEL = "tiny-llama"
-THREADS_BIND = "0|1|0|1"
+MODEL = SERVED_MODEL
 ENGINE = {
     "dtype": "float32",
     "max_model_len": 256,
@@ -52,122 +51,32 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + 13 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _server_args(checkpoint_dir: str, port: int) -> list[str]:
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        checkpoint_dir,
-        "--served-model-name",
-        MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--tensor-parallel-size",
-        str(TP),
-    ]
-    for key, value in ENGINE.items():
-        flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
-    return args
-
-
-class Server:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
-        self.url = url
-        self.proc = proc
-        self.log = log
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120
-        )
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-
 @pytest.fixture(scope="module")
 def server(
     checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    port = _free_port()
+) -> Iterator[OpenAIServer]:
     log = tmp_path_factory.mktemp("serve_tp4") / "server.log"
     env = {
-        **{k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV},
-        "VLLM_CPU_OMP_THREADS_BIND": THREADS_BIND,
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(TP),
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
         # Exposes POST /collective_rpc (the per-rank state check).
         "VLLM_SERVER_DEV_MODE": "1",
     }
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            _server_args(checkpoint_dir, port),
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        _wait_healthy(server)
+    args = ["--tensor-parallel-size", str(TP), *engine_args(ENGINE)]
+    with OpenAIServer.start(
+        checkpoint_dir, args, log, env, timeout_s=START_TIMEOUT_S
+    ) as server:
         yield server
-    finally:
-        _stop(proc)
 
 
-def _wait_healthy(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited at start-up:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(
-        f"server not healthy in {START_TIMEOUT_S}s:\n{server.log_tail()}"
-    )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-async def _metrics(server: Server) -> dict[str, float]:
+async def _metrics(server: OpenAIServer) -> dict[str, float]:
     """Unlabelled-by-us samples of /metrics, summed over label sets."""
     async with httpx.AsyncClient() as http:
         text = (await http.get(f"{server.url}/metrics", timeout=30)).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([-+\w.]+)$", line)
-        if match:
-            name = match.group(1)
-            values[name] = values.get(name, 0.0) + float(match.group(3))
-    return values
+    return parse_metrics(text)
 
 
-async def _rank_states(server: Server) -> list[dict[str, Any]]:
+async def _rank_states(server: OpenAIServer) -> list[dict[str, Any]]:
     async with httpx.AsyncClient() as http:
         response = await http.post(
             f"{server.url}/collective_rpc",
@@ -202,7 +111,7 @@ async def _complete(
 
 
 @pytest.fixture
-def client(server: Server) -> openai.AsyncOpenAI:
+def client(server: OpenAIServer) -> openai.AsyncOpenAI:
     return server.client()
 
 
@@ -270,7 +179,7 @@ async def test_chat_streaming_equals_non_streaming(client: openai.AsyncOpenAI) -
 
 
 async def test_ranks_agree_and_futures_stay_bounded(
-    server: Server, client: openai.AsyncOpenAI
+    server: OpenAIServer, client: openai.AsyncOpenAI
 ) -> None:
     """Every rank ends with the same token histories (the non-output ranks,
     whose outputs nobody reads, do not drift) and never holds more than two
@@ -307,7 +216,7 @@ while num_chunks < 3:
 
 
 async def test_aborted_stream_frees_its_blocks(
-    server: Server, client: openai.AsyncOpenAI
+    server: OpenAIServer, client: openai.AsyncOpenAI
 ) -> None:
     body = {
         "model": MODEL,
@@ -367,7 +276,7 @@ async def test_bad_request_is_400_while_others_are_served(
 
 
 async def test_metrics_count_async_steps_and_dead_tokens(
-    server: Server, client: openai.AsyncOpenAI
+    server: OpenAIServer, client: openai.AsyncOpenAI
 ) -> None:
     prompt = _prompts()[1]
     greedy = await _complete(client, prompt, stream=False)

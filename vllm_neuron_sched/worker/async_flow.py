@@ -133,9 +133,13 @@ class InFlightStep:
     # the list is held here so a finished request's history is completed too.
     placeholders: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
+    def is_read(self) -> bool:
+        """The engine has its output (the output thread read it)."""
+        return self.output.is_materialized()
+
     def is_ready(self) -> bool:
         """Reading the output now would not wait for the device."""
-        return self.output.is_materialized() or self.result.done()
+        return self.is_read() or self.result.done()
 
 
 class FlowObserver:
@@ -189,6 +193,13 @@ class AsyncFlow:
             self._timed.append(observer)
             self.device.on_execution = self._executed
 
+    def unsubscribe(self, observer: FlowObserver) -> None:
+        self._observers.remove(observer)
+        if observer in self._timed:
+            self._timed.remove(observer)
+            if not self._timed:
+                self.device.on_execution = None
+
     # ---- one step, main thread ---------------------------------------------
 
     def begin_step(self, scheduler_output: "SchedulerOutput") -> None:
@@ -234,12 +245,14 @@ class AsyncFlow:
         return self.state
 
     def retire(self, keep_newest: bool = False) -> None:
-        """Applies finished steps to host state, oldest first. Older steps are
-        read even if that waits; the newest only if ready (or if not
-        ``keep_newest``)."""
+        """Applies steps to host state, oldest first. Steps before the newest
+        are read even if that waits (the engine has read them by now, except
+        on TP ranks whose outputs nobody reads); with ``keep_newest`` the
+        newest only once the engine has read it, so two steps are in flight
+        as the batch queue has them."""
         while self.in_flight:
             step = self.in_flight[0]
-            if keep_newest and len(self.in_flight) == 1 and not step.is_ready():
+            if keep_newest and len(self.in_flight) == 1 and not step.is_read():
                 return
             self.wait_for(step)
             self.in_flight.popleft()

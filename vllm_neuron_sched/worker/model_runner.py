@@ -158,6 +158,15 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     def get_async_scheduling_stats(self) -> dict[str, int]:
         return self.flow.stats()
 
+    def set_step_timeline(self, is_on: bool) -> None:
+        """Starts (a new, empty) or stops recording the step timeline."""
+        if self.timeline is not None:
+            self.flow.unsubscribe(self.timeline)
+            self.timeline = None
+        if is_on:
+            self.timeline = StepTimeline()
+            self.flow.subscribe(self.timeline)
+
     def get_rank_state(self) -> dict[str, Any]:
         """In-flight steps and a digest of the host token histories, after
         waiting for those steps: equal on every TP rank when no rank drifts."""
@@ -190,6 +199,10 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             self._direct_output = None
             self._update_states(scheduler_output)
             if not scheduler_output.total_num_scheduled_tokens:
+                # Nothing to run ahead of (the engine only tells of finished
+                # requests): bring host state up to date, so an idle worker
+                # holds no step, on every TP rank.
+                self.flow.retire()
                 return EMPTY_MODEL_RUNNER_OUTPUT
             inputs = self._build_inputs(scheduler_output)
             self._enqueue_forward(scheduler_output, inputs)

@@ -77,9 +77,16 @@ class NeuronSchedWorker(CPUWorker):
 
     def get_step_timeline(self, clear: bool = False) -> dict[str, Any] | None:
         """Recorded host/device intervals per step (worker/timeline.py), or
-        None unless VLLM_NEURON_SCHED_TIMELINE=1: the benchmarks' timeline."""
+        None when not recording: the benchmarks' timeline."""
         timeline = getattr(self.model_runner, "timeline", None)
         return None if timeline is None else timeline.snapshot(clear)
+
+    def set_step_timeline(self, is_on: bool) -> None:
+        """Starts recording the step timeline (VLLM_NEURON_SCHED_TIMELINE=1 does
+        from the start) or stops it, so a benchmark times only the runs it
+        traces."""
+        if isinstance(self.model_runner, NeuronSchedModelRunner):
+            self.model_runner.set_step_timeline(is_on)
 
     def set_sim_device_ms(self, sim_device_ms: float) -> None:
         """Changes the simulated device latency of a running engine, so a

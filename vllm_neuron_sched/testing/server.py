@@ -1,0 +1,156 @@
+"""An OpenAI server in a subprocess on a free loopback port, for tests and
+benchmarks: start, wait until healthy, read ``/metrics``, stop (always, by
+killing its process group).
+
+    with OpenAIServer.start(checkpoint, ["--tensor-parallel-size", "4"],
+                            env={"VLLM_CPU_OMP_THREADS_BIND": thread_binding(4)},
+                            log=Path("/tmp/server.log")) as server:
+        client = server.client()
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_neuron_sched.metrics import METRICS_DIR_ENV
+
+SERVED_MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def thread_binding(world_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` sharing this process's cores round-robin
+    among ``world_size`` workers (TP=4 on 2 cores: ``0|1|0|1``)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[rank % len(cores)]) for rank in range(world_size))
+
+
+def engine_args(engine: dict[str, Any]) -> list[str]:
+    """``{"max_num_seqs": 8, "enforce_eager": True}`` -> CLI flags."""
+    args: list[str] = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+class OpenAIServer:
+    """A running ``vllm.entrypoints.openai.api_server`` process."""
+
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+        self.url = url
+        self.proc = proc
+        self.log = log
+
+    @classmethod
+    def start(
+        cls,
+        model: str | Path,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 600,
+    ) -> "OpenAIServer":
+        """Starts the server (served as ``SERVED_MODEL``) and waits until
+        ``/health`` answers; stops it and raises if it dies or never does."""
+        port = free_port()
+        full_env = {
+            # Each server makes its own metrics directory.
+            **{k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV},
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **(env or {}),
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", SERVED_MODEL,
+            "--host", "127.0.0.1", "--port", str(port), *args,
+        ]  # fmt: skip
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                command,
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        server = cls(f"http://127.0.0.1:{port}", proc, log)
+        try:
+            server.wait_healthy(timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def __enter__(self) -> "OpenAIServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited at start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not healthy in {timeout_s}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, then SIGKILL."""
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def client(self, timeout_s: float = 120) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout_s,
+        )
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-num_chars:]
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` samples, summed over label sets."""
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([-+\w.]+)$", line)
+        if match:
+            name = match.group(1)
+            values[name] = values.get(name, 0.0) + float(match.group(3))
+    return values
