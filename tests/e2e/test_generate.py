@@ -15,6 +15,12 @@ from unittest import mock
 import pytest
 
 from vllm_neuron_sched.testing.oracle import generate, generate_in_subprocess
+from vllm_neuron_sched.testing.workloads import (
+    SMALL_ENGINE,
+    STOCK_ENV,
+    greedy,
+    token_prompts,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -23,35 +29,19 @@ pytestmark = pytest.mark.slow
 # later ones join a running batch.
 PROMPT_LENGTHS = [5, 33, 70, 12, 47]
 MAX_TOKENS = [12, 20, 8, 16, 10]
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 256,
-    "max_num_seqs": 4,
-    "max_num_batched_tokens": 32,
-    "seed": 0,
-    "enable_prefix_caching": False,
-    # Engine start is the slow part of these tests; eager skips torch.compile.
-    "enforce_eager": True,
-}
+ENGINE = SMALL_ENGINE
 NUM_LOGPROBS = 3
 TOLERANCE = 1e-4
 
 
 def _prompts() -> list[list[int]]:
-    return [[(7 * i + 13 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
+    return token_prompts(PROMPT_LENGTHS)
 
 
 def _greedy_params() -> list[dict[str, Any]]:
-    return [
-        {
-            "temperature": 0.0,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "logprobs": NUM_LOGPROBS,
-            "prompt_logprobs": NUM_LOGPROBS if i == 1 else None,
-        }
-        for i, max_tokens in enumerate(MAX_TOKENS)
-    ]
+    params = greedy(MAX_TOKENS, logprobs=NUM_LOGPROBS)
+    params[1]["prompt_logprobs"] = NUM_LOGPROBS
+    return params
 
 
 def _seeded_params() -> list[dict[str, Any]]:
@@ -79,7 +69,7 @@ def _run_stock(checkpoint: str, params: list[dict]) -> list[dict]:
         _prompts(),
         params,
         ENGINE,
-        env={"VLLM_NEURON_SCHED_DISABLE": "1"},
+        env=STOCK_ENV,
         timeout_s=900,
     )
 
@@ -186,7 +176,7 @@ def stock_churn(checkpoint_dir: str) -> list[dict]:
         prompts,
         params,
         ENGINE,
-        env={"VLLM_NEURON_SCHED_DISABLE": "1"},
+        env=STOCK_ENV,
         timeout_s=900,
     )
 
@@ -196,11 +186,7 @@ def _churn() -> tuple[list[list[int]], list[dict[str, Any]]]:
     different budgets: requests join and leave the batch all the time."""
     lengths = [3, 40, 17, 66, 9, 28, 51, 5, 35, 12, 80, 21]
     budgets = [9, 14, 5, 11, 20, 7, 3, 16, 10, 6, 12, 18]
-    prompts = [[(5 * i + 11 * n) % 900 + 10 for i in range(n)] for n in lengths]
-    params = [
-        {"temperature": 0.0, "max_tokens": m, "ignore_eos": True} for m in budgets
-    ]
-    return prompts, params
+    return token_prompts(lengths, stride=5, salt=11), greedy(budgets)
 
 
 @pytest.mark.parametrize("engine", ["llm_async", "llm_async_thread"])
@@ -224,8 +210,7 @@ def test_sync_mode_counts_every_sampling_step_as_a_fallback(llm_sync: Any) -> No
     """One request, a prompt of one chunk, 8 tokens: a prefill step that
     samples, then 7 decodes; sync mode hands each one's tokens back."""
     before = _stats(llm_sync)
-    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-    generate(llm_sync, [_prompts()[0]], params)
+    generate(llm_sync, [_prompts()[0]], greedy([8]))
     after = _stats(llm_sync)
     delta = {key: after[key] - before[key] for key in after}
     assert delta == {

@@ -8,6 +8,12 @@ mixes prefill and decode and so forms different batches.
 import pytest
 
 from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.workloads import (
+    SMALL_ENGINE,
+    STOCK_ENV,
+    greedy,
+    token_prompts,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -17,42 +23,21 @@ PROMPT_LENGTHS = [5, 33, 70, 12, 47]
 MAX_TOKENS = [12, 20, 8, 16, 10]
 
 
-def _prompts() -> list[list[int]]:
-    return [[(7 * i + 13 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
-
-
-def _engine(**overrides) -> dict:
-    return {
-        "dtype": "float32",
-        "max_model_len": 256,
-        "max_num_seqs": 4,
-        "max_num_batched_tokens": 32,
-        "seed": 0,
-        "enable_prefix_caching": False,
-        **overrides,
-    }
-
-
 def test_scheduler_cls_matches_stock_vllm(checkpoint_dir: str) -> None:
-    sampling = [
-        {"temperature": 0.0, "max_tokens": m, "ignore_eos": True} for m in MAX_TOKENS
-    ]
+    prompts, sampling = token_prompts(PROMPT_LENGTHS), greedy(MAX_TOKENS)
     stock = generate_in_subprocess(
-        checkpoint_dir,
-        _prompts(),
-        sampling,
-        _engine(),
-        env={"VLLM_NEURON_SCHED_DISABLE": "1"},
+        checkpoint_dir, prompts, sampling, SMALL_ENGINE, env=STOCK_ENV
     )
     ours = generate_in_subprocess(
         checkpoint_dir,
-        _prompts(),
+        prompts,
         sampling,
-        _engine(
-            scheduler_cls="vllm_neuron_sched.core.scheduler.ChunkedPrefillScheduler",
-            worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
-            async_scheduling=False,
-        ),
+        {
+            **SMALL_ENGINE,
+            "scheduler_cls": "vllm_neuron_sched.core.scheduler.ChunkedPrefillScheduler",
+            "worker_cls": "vllm.v1.worker.cpu_worker.CPUWorker",
+            "async_scheduling": False,
+        },
     )
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
     assert [len(r["token_ids"]) for r in ours] == MAX_TOKENS

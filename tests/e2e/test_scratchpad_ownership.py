@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, greedy, token_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +30,6 @@ SHIM_SOURCE = Path(__file__).parent / "native" / "always_move_scratchpad.c"
 # next step's inputs during a forward.
 PROMPT_LENGTHS = [70, 9, 45, 100, 20, 33]
 MAX_TOKENS = [24, 30, 12, 18, 28, 16]
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 256,
-    "max_num_seqs": 4,
-    "max_num_batched_tokens": 32,
-    "seed": 0,
-    "enforce_eager": True,
-}
 
 
 def _c_compiler() -> list[str]:
@@ -56,10 +49,6 @@ def always_move_scratchpad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return library
 
 
-def _prompts() -> list[list[int]]:
-    return [[(11 * i + 7 * n) % 900 + 10 for i in range(n)] for n in PROMPT_LENGTHS]
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_generate_with_a_scratchpad_that_moves_on_every_realloc(
     checkpoint_dir: str,
@@ -68,14 +57,11 @@ def test_generate_with_a_scratchpad_that_moves_on_every_realloc(
     async_scheduling: bool,
 ) -> None:
     log = tmp_path / "scratchpad_threads.log"
-    sampling = [
-        {"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in MAX_TOKENS
-    ]
     results = generate_in_subprocess(
         checkpoint_dir,
-        _prompts(),
-        sampling,
-        {**ENGINE, "async_scheduling": async_scheduling},
+        token_prompts(PROMPT_LENGTHS, stride=11, salt=7),
+        greedy(MAX_TOKENS),
+        {**SMALL_ENGINE, "async_scheduling": async_scheduling},
         env={
             "LD_PRELOAD": str(always_move_scratchpad),
             "SCRATCHPAD_LOG": str(log),

@@ -1,6 +1,6 @@
 """Chunked prefill for devices that cannot mix prefill and decode in a batch.
 
-Rules (Spyre's, DESIGN.md section 4): a step is either one request's prefill
+Rules (Spyre's, docs/design.md section 2): a step is either one request's prefill
 chunk or a decode batch; at most one prefill is ongoing and it beats new
 requests; with interleaving a prefill step never follows a prefill step while
 decodes wait; admission keeps ``max_num_seqs``, the volumetric tkv limit, and
@@ -53,16 +53,11 @@ class ChunkedPrefillMixin(RejectionMixin):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # Async mode is a config fact, not a class fact (the same mixin serves
-        # both bases).
-        self.is_async = bool(self.vllm_config.scheduler_config.async_scheduling)
         self.interleave_prefills = envs.VLLM_NEURON_SCHED_PREFILL_INTERLEAVING
         self.limits = RequestLimits.from_config(self.vllm_config)
         self.max_model_len = self.vllm_config.model_config.max_model_len
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepKind.IDLE
-        # Largest position in the decode batch after the last scheduled step.
-        self.tkv = 0
 
     # --- the step ---------------------------------------------------------
 
@@ -82,9 +77,6 @@ class ChunkedPrefillMixin(RejectionMixin):
             output = super().schedule(*args, **kwargs)
         self.last_step_kind = (
             plan.kind if output.num_scheduled_tokens else StepKind.IDLE
-        )
-        self.tkv = max(
-            (r.num_computed_tokens for r in self.decoding_requests()), default=0
         )
         return output
 
@@ -110,6 +102,12 @@ class ChunkedPrefillMixin(RejectionMixin):
 
     def decoding_requests(self) -> list["Request"]:
         return [r for r in self.running if not r.is_prefill_chunk]
+
+    def decode_tkv(self, requests: list["Request"] | None = None) -> int:
+        """The decode batch's tkv: its largest position (the batch is
+        rectangular, shorter rows left-padded), as of the last scheduled step."""
+        batch = self.decoding_requests() if requests is None else requests
+        return max((r.num_computed_tokens for r in batch), default=0)
 
     def can_schedule_decode(self, request: "Request") -> bool:
         """False when the in-flight steps already reach ``max_tokens``.
@@ -163,10 +161,7 @@ class ChunkedPrefillMixin(RejectionMixin):
         if free - self.reserved_blocks() < self.blocks_needed(candidate):
             return None
         batch = [*self.decoding_requests(), candidate]
-        tkv_after_join = max(
-            candidate.num_tokens,
-            max((r.num_computed_tokens for r in batch[:-1]), default=0),
-        )
+        tkv_after_join = max(candidate.num_tokens, self.decode_tkv(batch[:-1]))
         worst_tkv = tkv_after_join + max(self.remaining_tokens(r) for r in batch)
         if len(batch) * worst_tkv > self.limits.max_batch_tkv_limit:
             return None

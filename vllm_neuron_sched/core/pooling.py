@@ -23,7 +23,6 @@ class PoolingMixin(RejectionMixin):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.is_async = bool(self.vllm_config.scheduler_config.async_scheduling)
         self.limits = RequestLimits.from_config(self.vllm_config)
 
     def schedule(self, *args, **kwargs) -> "SchedulerOutput":

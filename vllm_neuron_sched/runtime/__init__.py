@@ -1,5 +1,5 @@
 """Device runtime: the contract of an accelerator without streams (AWS Neuron
-async mode), reproduced on CPU. See DESIGN.md section 5."""
+async mode), reproduced on CPU. See docs/design.md, section 2."""
 
 from vllm_neuron_sched.runtime.backends import (
     InlineDevice,

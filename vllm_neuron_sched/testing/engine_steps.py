@@ -244,7 +244,7 @@ class EngineStepper:
             kind=self._kind(scheduled) if self._scheduled else "-",
             running=tuple(self.external_id(r.request_id) for r in scheduler.running),
             waiting=tuple(self.external_id(r.request_id) for r in scheduler.waiting),
-            tkv=getattr(scheduler, "tkv", 0),
+            tkv=scheduler.decode_tkv() if hasattr(scheduler, "decode_tkv") else 0,
             blocks_used=self.blocks_used(),
             blocks_at_schedule=blocks_at_schedule,
             blocks_reserved=(

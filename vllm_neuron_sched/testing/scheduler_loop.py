@@ -10,7 +10,7 @@ can point it at their own scheduler classes.
 
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -162,6 +162,31 @@ def run_batch_queue(
         result.collect(scheduler.update_from_output(so, model_output))
         result.num_steps += 1
     return result
+
+
+def interleaving_violations(steps: Sequence[Mapping[str, bool]]) -> list[int]:
+    """Steps that are a prefill right after a prefill while a decode waited.
+
+    ``steps``: per step, ``req_id -> is_prefill`` of what it held (empty: an
+    idle step, skipped: it gives decodes no turn). A request that decodes
+    before the first prefill and after the second was in the decode batch,
+    able to decode, during both.
+    """
+    decode_steps: dict[str, list[int]] = {}
+    busy: list[tuple[int, bool]] = []
+    for i, step in enumerate(steps):
+        if step:
+            busy.append((i, all(step.values())))
+        for req_id, is_prefill in step.items():
+            if not is_prefill:
+                decode_steps.setdefault(req_id, []).append(i)
+    return [
+        second
+        for (first, is_prefill), (second, next_is_prefill) in zip(busy, busy[1:])
+        if is_prefill
+        and next_is_prefill
+        and any(s[0] < first and s[-1] > second for s in decode_steps.values())
+    ]
 
 
 def runner_last_event(events: Events) -> int:

@@ -37,6 +37,7 @@ from vllm_neuron_sched.testing.scheduler_loop import (
     FakeRunner,
     LoopResult,
     build_scheduler,
+    interleaving_violations,
     make_request,
     run_batch_queue,
     run_sync,
@@ -187,27 +188,6 @@ def run_workload(
     return loop(scheduler, runner, Events(workload)), runner, scheduler
 
 
-def assert_interleaved(runner: FakeRunner) -> None:
-    """No two prefill steps in a row (idle steps skipped) while a decoder waits.
-
-    A request that decodes before the first prefill and after the second was in
-    the decode batch, able to decode, during both.
-    """
-    decode_steps: dict[str, list[int]] = {}
-    busy = []
-    for i, step in enumerate(runner.steps):
-        if step.scheduled:
-            busy.append((i, all(step.is_prefill.values())))
-        for req_id, is_prefill in step.is_prefill.items():
-            if not is_prefill:
-                decode_steps.setdefault(req_id, []).append(i)
-    for (first, is_prefill), (second, next_is_prefill) in zip(busy, busy[1:]):
-        if is_prefill and next_is_prefill:
-            assert not any(
-                s[0] < first and s[-1] > second for s in decode_steps.values()
-            ), f"steps {first} and {second} are prefills while a decode waits"
-
-
 def check_invariants(
     workload: Workload, result: LoopResult, runner: CheckingRunner, scheduler: Scheduler
 ) -> None:
@@ -232,7 +212,8 @@ def check_invariants(
         if kinds == {False}:
             max_position = max(start + n for start, n in step.scheduled.values())
             assert len(step.scheduled) * max_position <= tkv_limit, where
-    assert_interleaved(runner)
+    violations = interleaving_violations([step.is_prefill for step in runner.steps])
+    assert violations == [], f"prefill steps {violations} follow a prefill"
     block_pool = scheduler.kv_cache_manager.block_pool
     assert block_pool.get_num_free_blocks() == num_usable_blocks, "blocks leaked"
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting

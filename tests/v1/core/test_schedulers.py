@@ -32,6 +32,9 @@ from vllm_neuron_sched.testing.scheduler_loop import (
     run_batch_queue,
     run_sync,
 )
+from vllm_neuron_sched.testing.scheduler_loop import (
+    interleaving_violations as prefill_after_prefill,
+)
 
 VOCAB = 1024
 EOS = VOCAB - 1
@@ -66,7 +69,7 @@ class RecordingRunner(FakeRunner):
 
     def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
         self.outputs.append(so)
-        self.tkvs.append(getattr(scheduler, "tkv", 0))
+        self.tkvs.append(getattr(scheduler, "decode_tkv", lambda: 0)())
         return super().execute(so, scheduler)
 
 
@@ -130,25 +133,7 @@ def steps_of(runner: FakeRunner, req_id: str) -> list[int]:
 
 
 def interleaving_violations(runner: FakeRunner) -> list[int]:
-    """Steps that are prefills right after a prefill while a decoder was waiting.
-
-    Idle steps are skipped (they do not give decodes a turn). A request that
-    decodes before the first prefill and again after the second was in the
-    decode batch, able to decode, during both.
-    """
-    decode_steps: dict[str, list[int]] = {}
-    for i, step in enumerate(runner.steps):
-        for req_id, is_prefill in step.is_prefill.items():
-            if not is_prefill:
-                decode_steps.setdefault(req_id, []).append(i)
-    busy = [(i, kind) for i, kind in enumerate(step_kinds(runner)) if kind != "idle"]
-    violations = []
-    for (first, kind), (second, next_kind) in zip(busy, busy[1:]):
-        if kind == next_kind == "prefill" and any(
-            steps[0] < first and steps[-1] > second for steps in decode_steps.values()
-        ):
-            violations.append(second)
-    return violations
+    return prefill_after_prefill([step.is_prefill for step in runner.steps])
 
 
 def assert_blocks_all_free(scheduler: Scheduler, runner: FakeRunner) -> None:
@@ -168,26 +153,24 @@ def expected_tokens(req_id: str, max_tokens: int, runner: FakeRunner) -> list[in
 
 @pytest.mark.parametrize("flag", [False, True])
 @pytest.mark.parametrize("cls", [ChunkedPrefillScheduler, AsyncChunkedPrefillScheduler])
-def test_is_async_follows_config_flag(
+def test_platform_keeps_the_async_flag_and_picks_the_class_from_it(
     checkpoint_dir: str, cls: type[Scheduler], flag: bool
 ) -> None:
-    """The mixin reads the flag, and the platform's config hook keeps it."""
+    """vLLM's CPU platform forces async off; ours keeps the user's choice."""
     scheduler = build_scheduler(cls, checkpoint_dir, async_scheduling=flag)
     scheduler_config = scheduler.vllm_config.scheduler_config
     assert scheduler_config.async_scheduling is flag
-    assert scheduler.is_async is flag
     # The platform ran (it picks our class from the flag) and did not flip it.
     expected = "AsyncChunkedPrefillScheduler" if flag else "ChunkedPrefillScheduler"
     assert str(scheduler_config.scheduler_cls).rsplit(".", 1)[-1] == expected
 
 
 def test_platform_turns_async_off_for_pooling(checkpoint_dir: str) -> None:
-    """DESIGN: pooling is sync only, whatever the user asked."""
+    """Pooling is sync only, whatever the user asked (docs/design.md)."""
     scheduler = build_scheduler(
         PoolingScheduler, checkpoint_dir, async_scheduling=True, runner="pooling"
     )
     assert scheduler.vllm_config.scheduler_config.async_scheduling is False
-    assert scheduler.is_async is False
 
 
 # --- chunked-prefill rules ----------------------------------------------------

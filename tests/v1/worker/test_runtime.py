@@ -1,4 +1,4 @@
-"""The device runtime contract (DESIGN.md section 5), on the thread and inline
+"""The device runtime contract (docs/design.md section 2), on the thread and inline
 backends. Synchronisation uses Events and Barriers only: no timing asserts."""
 
 import sys

@@ -1,0 +1,35 @@
+"""Prompts, sampling parameters and engine settings the tests share: small,
+deterministic, crossing the chunk size, so requests finish at different steps
+and join a running batch."""
+
+from typing import Any
+
+# An engine that starts fast and exercises chunking: prompts longer than 32
+# tokens take several prefill steps, and 4 sequence slots make later
+# requests wait and join.
+SMALL_ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "seed": 0,
+    "enable_prefix_caching": False,
+    # Engine start is the slow part of these tests; eager skips torch.compile.
+    "enforce_eager": True,
+}
+STOCK_ENV = {"VLLM_NEURON_SCHED_DISABLE": "1"}  # stock vLLM CPU in a child
+
+
+def token_prompts(
+    lengths: list[int], stride: int = 7, salt: int = 13
+) -> list[list[int]]:
+    """One token-id prompt per length (ids 10..909: no special tokens)."""
+    return [[(stride * i + salt * n) % 900 + 10 for i in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: list[int], **extra: Any) -> list[dict[str, Any]]:
+    """Greedy ``SamplingParams`` keyword sets, one per budget, EOS ignored."""
+    return [
+        {"temperature": 0.0, "max_tokens": n, "ignore_eos": True, **extra}
+        for n in max_tokens
+    ]
