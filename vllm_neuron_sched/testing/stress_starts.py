@@ -1,9 +1,10 @@
 """Many engine starts in a row, each in its own process: crashes that strike
 one start in several (a race in the first steps) show only this way.
 
-    python -m vllm_neuron_sched.testing.stress_starts --starts 30 --mode async
+    python -m vllm_neuron_sched.testing.stress_starts --starts 30 --device thread
     python -m vllm_neuron_sched.testing.stress_starts --starts 30 --sim-device-ms 5
-    python -m vllm_neuron_sched.testing.stress_starts --starts 10 --mode sync
+    python -m vllm_neuron_sched.testing.stress_starts --starts 10 --mode sync \
+        --device thread
 
 Each start builds ``LLM(...)`` with the embedded tiny checkpoint, generates a
 warm-up of 4 requests, then 48 more (prompts of 8-120 tokens, max_tokens
@@ -72,6 +73,12 @@ def main() -> int:
     parser.add_argument(
         "--sim-device-ms", type=float, default=0.0, help="simulated device latency"
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="VLLM_NEURON_SCHED_DEVICE (thread: the worker's two threads share "
+        "vLLM's process-global state, where races live)",
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--model", help="checkpoint (default: the embedded one)")
     parser.add_argument(
@@ -89,10 +96,11 @@ def main() -> int:
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_NEURON_SCHED_SIM_DEVICE_MS": str(args.sim_device_ms),
+        "VLLM_NEURON_SCHED_DEVICE": args.device,
     }
     print(
-        f"{args.starts} starts, {args.mode}, simulated device {args.sim_device_ms} ms, "
-        f"load average {os.getloadavg()[0]:.2f}",
+        f"{args.starts} starts, {args.mode}, device {args.device}, simulated device "
+        f"{args.sim_device_ms} ms, load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     failures = 0
