@@ -8,6 +8,7 @@ the engine.
 """
 
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from vllm.inputs import EngineInput
     from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 logger = init_logger(__name__)
 
@@ -77,9 +79,21 @@ def check_thread_binding(num_local_workers: int) -> None:
 
 
 class NeuronSchedPlatform(CpuPlatform):
-    # Set in check_and_update_config, read by validate_request in the same
-    # (front-end) process.
-    _request_limits: RequestLimits | None = None
+    # id(VllmConfig) -> its request limits, for every configuration alive in
+    # this process (set in check_and_update_config, dropped with the config):
+    # read by validate_request, which vLLM calls without the configuration.
+    _request_limits: dict[int, RequestLimits] = {}
+
+    @classmethod
+    def pre_register_and_update(
+        cls, parser: "FlexibleArgumentParser | None" = None
+    ) -> None:
+        """With a parser: an OpenAI server is starting in this process, the
+        one place whose ``/metrics`` shows our counters. Once per process,
+        before the engine is spawned (the workers inherit the directory)."""
+        super().pre_register_and_update(parser)
+        if parser is not None:
+            setup_metrics_export()
 
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
@@ -99,7 +113,6 @@ class NeuronSchedPlatform(CpuPlatform):
             parallel_config.tensor_parallel_size
             * parallel_config.pipeline_parallel_size
         )
-        setup_metrics_export()
 
         is_pooling = model_config is not None and model_config.runner_type == "pooling"
         if is_pooling and requested_async:
@@ -123,7 +136,9 @@ class NeuronSchedPlatform(CpuPlatform):
             parallel_config.worker_cls = WORKER
 
         if model_config is not None:
-            cls._request_limits = RequestLimits.from_config(vllm_config)
+            key = id(vllm_config)
+            cls._request_limits[key] = RequestLimits.from_config(vllm_config)
+            weakref.finalize(vllm_config, cls._request_limits.pop, key, None)
         logger.info(
             "vllm_neuron_sched: async_scheduling=%s scheduler=%s worker=%s",
             scheduler_config.async_scheduling,
@@ -151,11 +166,15 @@ class NeuronSchedPlatform(CpuPlatform):
         processed_inputs: "EngineInput",
         params: "SamplingParams | PoolingParams",
     ) -> None:
+        """Refuses a request that no engine of this process could ever run.
+        vLLM does not say which engine a request is for: with several engines
+        alive, one whose own limits it exceeds finishes it with an error."""
         super().validate_request(processed_inputs, params)
-        if cls._request_limits is None:
-            return
         prompt_ids = processed_inputs.get("prompt_token_ids") or []
         max_tokens = getattr(params, "max_tokens", None)
-        error = cls._request_limits.check(len(prompt_ids), max_tokens)
-        if error is not None:
-            raise ValueError(error)
+        errors = [
+            limits.check(len(prompt_ids), max_tokens)
+            for limits in cls._request_limits.values()
+        ]
+        if errors and all(errors):
+            raise ValueError(errors[-1])

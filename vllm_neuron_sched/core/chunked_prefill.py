@@ -16,6 +16,7 @@ step. Nothing is written in ``update_from_output``, so nothing can go stale.
 """
 
 import enum
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,12 +147,13 @@ class ChunkedPrefillMixin(RejectionMixin):
     def admissible_waiting_request(self) -> "Request | None":
         """The first ready waiting request, if it may start now.
 
-        Served in order; a request still compiling its grammar is passed over
-        (vLLM's scheduler does the same) until the grammar is ready.
+        Served in order, those holding KV blocks first (as vLLM does); a
+        request still compiling its grammar is passed over (vLLM's scheduler
+        does the same) until the grammar is ready.
         """
+        queued = itertools.chain(self.kv_holding_waiting, self.waiting)
         candidate = next(
-            (r for r in self.waiting if self._handle_blocked_waiting_request(r)),
-            None,
+            (r for r in queued if self._handle_blocked_waiting_request(r)), None
         )
         if candidate is None:
             return None

@@ -23,29 +23,40 @@ def restricted_view(
     running: Sequence["Request"],
     waiting: Sequence["Request"],
 ) -> Iterator[None]:
-    """Within the block, ``scheduler.running``/``waiting`` hold only the given
-    requests; afterwards, the hidden ones are merged back in their order.
+    """Within the block, ``scheduler.running`` and both waiting queues hold
+    only the given requests; afterwards, the hidden ones are merged back in
+    their order.
 
-    Requests vLLM admits move from ``waiting`` to ``running`` as usual; those it
-    preempts land at the front of the real waiting queue.
+    vLLM 0.32 keeps waiting requests that hold KV blocks in a second queue,
+    ``kv_holding_waiting``, and drains it before ``waiting``: it is hidden
+    too, or a decode step could admit one of them. Requests vLLM admits move
+    to ``running`` as usual; those it preempts land at the front of the real
+    waiting queues.
     """
     all_running = scheduler.running
-    all_waiting = scheduler.waiting
-    visible_running = set(running)
-    view_waiting = create_request_queue(scheduler.policy)
+    all_queues = {
+        "waiting": scheduler.waiting,
+        "kv_holding_waiting": scheduler.kv_holding_waiting,
+    }
+    views = {name: create_request_queue(scheduler.policy) for name in all_queues}
     for request in waiting:
-        all_waiting.remove_request(request)
-        view_waiting.add_request(request)
+        holding = any(r is request for r in all_queues["kv_holding_waiting"])
+        name = "kv_holding_waiting" if holding else "waiting"
+        all_queues[name].remove_request(request)
+        views[name].add_request(request)
+    visible_running = set(running)
     scheduler.running = list(running)
-    scheduler.waiting = view_waiting
+    for name, view in views.items():
+        setattr(scheduler, name, view)
     try:
         yield
     finally:
         still_running = scheduler.running
-        left_waiting = list(scheduler.waiting)
         scheduler.running = [
             r for r in all_running if r not in visible_running
         ] + still_running
-        scheduler.waiting = all_waiting
-        if left_waiting:
-            all_waiting.prepend_requests(reversed(left_waiting))
+        for name, queue in all_queues.items():
+            left = list(getattr(scheduler, name))
+            setattr(scheduler, name, queue)
+            if left:
+                queue.prepend_requests(reversed(left))

@@ -5,6 +5,7 @@ Sync runs are ``run_sync`` (``EngineCore.step()``); async runs are
 policy is checked against the run-ahead the async engine really does.
 """
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -493,3 +494,67 @@ def test_abort_while_step_in_flight(checkpoint_dir: str) -> None:
         assert result.tokens[req_id] == reference.tokens[req_id]
         assert result.finish_reasons[req_id] == "length"
     assert_blocks_all_free(scheduler, runner)
+
+
+# --- configurations side by side ------------------------------------------------
+
+
+def test_two_configurations_in_one_process_keep_their_own_limits(
+    checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each scheduler plans with the limits of its own configuration, and the
+    front end refuses only a request that no live engine could run."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_neuron_sched.platform import NeuronSchedPlatform
+
+    monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "100")
+    tight = build_scheduler(
+        ChunkedPrefillScheduler, checkpoint_dir, async_scheduling=False
+    )
+    monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "0")
+    roomy = build_scheduler(
+        ChunkedPrefillScheduler, checkpoint_dir, async_scheduling=False
+    )
+    assert tight.limits.max_batch_tkv_limit == 100
+    assert roomy.limits.max_batch_tkv_limit == 4 * 256  # max_num_seqs x max_model_len
+    registry = NeuronSchedPlatform._request_limits
+    assert registry[id(tight.vllm_config)] == tight.limits
+    assert registry[id(roomy.vllm_config)] == roomy.limits
+
+    # 90 + 20 tokens: too much for the tight engine, fine for the roomy one.
+    fits_roomy = {"prompt_token_ids": list(range(10, 100))}
+    NeuronSchedPlatform.validate_request(fits_roomy, SamplingParams(max_tokens=20))
+    assert tight.limits.check(90, 20) is not None
+    too_long = {"prompt_token_ids": [10] * 5000}
+    with pytest.raises(ValueError, match="tkv limit"):
+        NeuronSchedPlatform.validate_request(too_long, SamplingParams(max_tokens=8))
+
+    # A configuration that is gone no longer counts.
+    tight_key = id(tight.vllm_config)
+    del tight
+    gc.collect()
+    assert tight_key not in registry
+
+
+def test_restricted_view_hides_both_waiting_queues(checkpoint_dir: str) -> None:
+    """vLLM drains ``kv_holding_waiting`` before ``waiting``: a step's view
+    must hide requests there too, or a decode step could admit one."""
+    from vllm_neuron_sched.core.step_view import restricted_view
+
+    scheduler = build_scheduler(
+        ChunkedPrefillScheduler, checkpoint_dir, async_scheduling=False
+    )
+    holding, fresh, planned = (req(f"r{i}", 8, 4) for i in range(3))
+    scheduler.kv_holding_waiting.add_request(holding)
+    scheduler.kv_holding_waiting.add_request(planned)
+    scheduler.waiting.add_request(fresh)
+
+    with restricted_view(scheduler, [], []):
+        assert list(scheduler.kv_holding_waiting) == []
+        assert list(scheduler.waiting) == []
+    with restricted_view(scheduler, [], [planned]):
+        assert list(scheduler.kv_holding_waiting) == [planned]
+        assert list(scheduler.waiting) == []
+    assert list(scheduler.kv_holding_waiting) == [planned, holding]
+    assert list(scheduler.waiting) == [fresh]
