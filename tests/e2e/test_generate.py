@@ -9,6 +9,7 @@ async modes.
 
 import math
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -16,6 +17,8 @@ import pytest
 
 from vllm_neuron_sched.testing.oracle import generate, generate_in_subprocess
 from vllm_neuron_sched.testing.workloads import (
+    MIXED_BUDGETS,
+    MIXED_LENGTHS,
     SMALL_ENGINE,
     STOCK_ENV,
     greedy,
@@ -24,11 +27,8 @@ from vllm_neuron_sched.testing.workloads import (
 
 pytestmark = pytest.mark.slow
 
-# Prompt lengths cross the 32-token chunk size; five prompts over four sequence
-# slots and different max_tokens make requests finish at different steps and
-# later ones join a running batch.
-PROMPT_LENGTHS = [5, 33, 70, 12, 47]
-MAX_TOKENS = [12, 20, 8, 16, 10]
+PROMPT_LENGTHS = MIXED_LENGTHS
+MAX_TOKENS = MIXED_BUDGETS
 ENGINE = SMALL_ENGINE
 NUM_LOGPROBS = 3
 TOLERANCE = 1e-4
@@ -97,56 +97,48 @@ def stock_greedy(checkpoint_dir: str) -> list[dict]:
     return _run_stock(checkpoint_dir, _greedy_params())
 
 
-def _make_llm(checkpoint: str, async_scheduling: bool, device: str = "") -> Any:
-    """``device``: VLLM_NEURON_SCHED_DEVICE for this engine ("": the default)."""
+# name -> (engine keywords, environment of its workers)
+ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "async": ({"async_scheduling": True}, {}),
+    # A device thread beside the worker's main thread.
+    "async_thread": (
+        {"async_scheduling": True},
+        {"VLLM_NEURON_SCHED_DEVICE": "thread"},
+    ),
+    "sync": ({"async_scheduling": False}, {}),
+    # vLLM's own AsyncScheduler (``--scheduler-cls``): it mixes prefill and
+    # decode in one step, which our worker must also run.
+    "vllm_scheduler": (
+        {
+            "async_scheduling": True,
+            "scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler",
+        },
+        {},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_dir: str) -> Iterator[Callable[[str], Any]]:
+    """Each engine of ``ENGINES`` started once per module, on first use."""
     from vllm import LLM
 
-    env = {"VLLM_NEURON_SCHED_DEVICE": device} if device else {}
-    with mock.patch.dict(os.environ, env):  # the workers inherit it at spawn
-        return LLM(model=checkpoint, async_scheduling=async_scheduling, **ENGINE)
+    started: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in started:
+            kwargs, env = ENGINES[name]
+            with mock.patch.dict(os.environ, env):  # workers inherit it at spawn
+                started[name] = LLM(model=checkpoint_dir, **ENGINE, **kwargs)
+        return started[name]
+
+    yield get
+    started.clear()
 
 
-@pytest.fixture(scope="module")
-def llm_async(checkpoint_dir: str):
-    llm = _make_llm(checkpoint_dir, async_scheduling=True)
-    yield llm
-    del llm
-
-
-@pytest.fixture(scope="module")
-def llm_async_thread(checkpoint_dir: str):
-    """Async with a device thread beside the worker's main thread."""
-    llm = _make_llm(checkpoint_dir, async_scheduling=True, device="thread")
-    yield llm
-    del llm
-
-
-@pytest.fixture(scope="module")
-def llm_sync(checkpoint_dir: str):
-    llm = _make_llm(checkpoint_dir, async_scheduling=False)
-    yield llm
-    del llm
-
-
-@pytest.fixture(scope="module")
-def llm_vllm_scheduler(checkpoint_dir: str):
-    """Async mode under vLLM's own AsyncScheduler (``--scheduler-cls``): it
-    mixes prefill and decode in one step, which our worker must also run."""
-    from vllm import LLM
-
-    llm = LLM(
-        model=checkpoint_dir,
-        async_scheduling=True,
-        scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler",
-        **ENGINE,
-    )
-    yield llm
-    del llm
-
-
-@pytest.fixture(params=["async", "async_thread", "sync", "vllm_scheduler"])
-def llm(request: pytest.FixtureRequest) -> Any:
-    return request.getfixturevalue(f"llm_{request.param}")
+@pytest.fixture(params=list(ENGINES))
+def llm(request: pytest.FixtureRequest, engines: Callable[[str], Any]) -> Any:
+    return engines(request.param)
 
 
 def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
@@ -159,7 +151,8 @@ def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
     assert ours[1]["prompt_logprobs"] is not None  # returned, not dropped
 
 
-def test_seeded_sampling_async_equals_sync(llm_async: Any, llm_sync: Any) -> None:
+def test_seeded_sampling_async_equals_sync(engines: Callable[[str], Any]) -> None:
+    llm_async, llm_sync = engines("async"), engines("sync")
     prompts = _prompts()
     ours_async = generate(llm_async, prompts, _seeded_params())
     ours_sync = generate(llm_sync, prompts, _seeded_params())
@@ -189,11 +182,11 @@ def _churn() -> tuple[list[list[int]], list[dict[str, Any]]]:
     return token_prompts(lengths, stride=5, salt=11), greedy(budgets)
 
 
-@pytest.mark.parametrize("engine", ["llm_async", "llm_async_thread"])
+@pytest.mark.parametrize("engine", ["async", "async_thread"])
 def test_churning_batch_stays_async_and_matches_stock(
-    engine: str, request: pytest.FixtureRequest, stock_churn: list[dict]
+    engine: str, engines: Callable[[str], Any], stock_churn: list[dict]
 ) -> None:
-    llm = request.getfixturevalue(engine)
+    llm = engines(engine)
     prompts, params = _churn()
     before = _stats(llm)
     ours = generate(llm, prompts, params)
@@ -206,9 +199,12 @@ def test_churning_batch_stays_async_and_matches_stock(
     assert num_async >= 0.95 * (num_async + num_fallback), (before, after)
 
 
-def test_sync_mode_counts_every_sampling_step_as_a_fallback(llm_sync: Any) -> None:
+def test_sync_mode_counts_every_sampling_step_as_a_fallback(
+    engines: Callable[[str], Any],
+) -> None:
     """One request, a prompt of one chunk, 8 tokens: a prefill step that
     samples, then 7 decodes; sync mode hands each one's tokens back."""
+    llm_sync = engines("sync")
     before = _stats(llm_sync)
     generate(llm_sync, [_prompts()[0]], greedy([8]))
     after = _stats(llm_sync)
@@ -221,7 +217,10 @@ def test_sync_mode_counts_every_sampling_step_as_a_fallback(llm_sync: Any) -> No
     }
 
 
-def test_bad_request_is_refused_and_others_finish(llm_async: Any) -> None:
+def test_bad_request_is_refused_and_others_finish(
+    engines: Callable[[str], Any],
+) -> None:
+    llm_async = engines("async")
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
@@ -236,9 +235,9 @@ def test_bad_request_is_refused_and_others_finish(llm_async: Any) -> None:
     assert [len(o["token_ids"]) for o in outputs] == [6, 6, 6]
 
 
-@pytest.mark.parametrize("engine", ["llm_async", "llm_vllm_scheduler"])
+@pytest.mark.parametrize("engine", ["async", "vllm_scheduler"])
 def test_structured_output_in_async_mode(
-    engine: str, request: pytest.FixtureRequest
+    engine: str, engines: Callable[[str], Any]
 ) -> None:
     """Under our chunked-prefill scheduler and under vLLM's AsyncScheduler."""
     from vllm import SamplingParams
@@ -250,7 +249,7 @@ def test_structured_output_in_async_mode(
         max_tokens=10,
         structured_outputs=StructuredOutputsParams(choice=choices),
     )
-    outputs = request.getfixturevalue(engine).generate(
+    outputs = engines(engine).generate(
         ["the request is", "a token step"], params, use_tqdm=False
     )
     assert all(out.outputs[0].text in choices for out in outputs)

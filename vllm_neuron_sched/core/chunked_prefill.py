@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class StepKind(enum.Enum):
+class StepPlanKind(enum.Enum):
+    """What the policy decided the next step is (not what a batch turned out
+    to hold: that is ``step_view.BatchShape``)."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     IDLE = "idle"
@@ -44,7 +47,7 @@ class StepKind(enum.Enum):
 
 @dataclass(frozen=True)
 class StepPlan:
-    kind: StepKind
+    kind: StepPlanKind
     # The request whose chunk a PREFILL step runs; None otherwise.
     prefill: "Request | None" = None
 
@@ -58,26 +61,26 @@ class ChunkedPrefillMixin(RejectionMixin):
         self.limits = RequestLimits.from_config(self.vllm_config)
         self.max_model_len = self.vllm_config.model_config.max_model_len
         # Kind of the last *scheduled* step (the device runs steps in that order).
-        self.last_step_kind = StepKind.IDLE
+        self.last_step_kind = StepPlanKind.IDLE
 
     # --- the step ---------------------------------------------------------
 
     def schedule(self, *args, **kwargs) -> "SchedulerOutput":
         plan = self.plan_step()
-        if plan.kind is StepKind.PREFILL:
+        if plan.kind is StepPlanKind.PREFILL:
             assert plan.prefill is not None
             if plan.prefill.status == RequestStatus.RUNNING:
                 view = restricted_view(self, [plan.prefill], [])
             else:
                 view = restricted_view(self, [], [plan.prefill])
-        elif plan.kind is StepKind.DECODE:
+        elif plan.kind is StepPlanKind.DECODE:
             view = restricted_view(self, self.decoding_requests(), [])
         else:
             view = restricted_view(self, [], [])
         with view:
             output = super().schedule(*args, **kwargs)
         self.last_step_kind = (
-            plan.kind if output.num_scheduled_tokens else StepKind.IDLE
+            plan.kind if output.num_scheduled_tokens else StepPlanKind.IDLE
         )
         return output
 
@@ -87,14 +90,14 @@ class ChunkedPrefillMixin(RejectionMixin):
         prefill = self.ongoing_prefill() or self.admissible_waiting_request()
         blocked_by_interleaving = (
             self.interleave_prefills
-            and self.last_step_kind is StepKind.PREFILL
+            and self.last_step_kind is StepPlanKind.PREFILL
             and can_decode
         )
         if prefill is not None and not blocked_by_interleaving:
-            return StepPlan(StepKind.PREFILL, prefill)
+            return StepPlan(StepPlanKind.PREFILL, prefill)
         if can_decode:
-            return StepPlan(StepKind.DECODE)
-        return StepPlan(StepKind.IDLE)
+            return StepPlan(StepPlanKind.DECODE)
+        return StepPlan(StepPlanKind.IDLE)
 
     # --- schedule-time views of the running set ------------------------------
 

@@ -6,7 +6,8 @@ vLLM's ``Scheduler.schedule()`` do the rest (token accounting, KV allocation,
 preemption, the output dataclasses) over just those requests.
 """
 
-from collections.abc import Iterator, Sequence
+import enum
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,26 @@ from vllm.v1.core.sched.request_queue import create_request_queue
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
+
+
+class BatchShape(enum.Enum):
+    """What a step's batch holds: a fact about the batch, whoever scheduled
+    it (``chunked_prefill.StepPlanKind`` is our scheduler's decision)."""
+
+    DECODE = "decode"  # every row decodes one token
+    PREFILL = "prefill"  # prompt chunks only
+    MIXED = "mixed"  # both: only a scheduler that mixes them (vLLM's) makes these
+    IDLE = "idle"  # nothing scheduled
+
+    @classmethod
+    def of(cls, is_prefill: Iterable[bool]) -> "BatchShape":
+        """From each row's "runs prompt tokens" flag."""
+        flags = set(is_prefill)
+        if not flags:
+            return cls.IDLE
+        if len(flags) == 2:
+            return cls.MIXED
+        return cls.PREFILL if True in flags else cls.DECODE
 
 
 @contextmanager

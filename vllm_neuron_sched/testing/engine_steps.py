@@ -22,6 +22,8 @@ import torch
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
+from vllm_neuron_sched.core.step_view import BatchShape
+
 FORCE_TOKENS_KEY = "neuron_sched_force_tokens"
 FORCE_TOKENS_FQCN = "vllm_neuron_sched.testing.engine_steps:ForceTokens"
 
@@ -277,10 +279,7 @@ class EngineStepper:
             start = request.num_computed_tokens - num_tokens
             return num_tokens > 1 or start < request.num_prompt_tokens
 
-        kinds = {is_prefill(r, n) for r, n in scheduled.items()}
-        if kinds == {True, False}:
-            return "mixed"
-        return "prefill" if True in kinds else "decode"
+        return BatchShape.of(is_prefill(r, n) for r, n in scheduled.items()).value
 
     @staticmethod
     def external_id(internal_id: str) -> str:

@@ -13,8 +13,10 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -238,13 +240,61 @@ class ScriptedScheduler:
             if r.num_computed >= len(r.prompt):
                 r.num_output += 1
         finished, self._finished = self._finished, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            finished_req_ids=finished,
-            free_encoder_mm_hashes=[],
-        )
+        return scheduler_output(new_reqs, cached, num_scheduled, finished)
+
+
+def scheduler_output(
+    new_reqs: list[NewRequestData],
+    cached: CachedRequestData,
+    num_scheduled: dict[str, int],
+    finished: set[str],
+) -> SchedulerOutput:
+    """A text-only step's ``SchedulerOutput`` (no spec decode, no encoder)."""
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=finished,
+        free_encoder_mm_hashes=[],
+    )
+
+
+def record_timeline(
+    is_async: bool, num_decodes: int, output_thread: bool = False
+) -> dict[str, Any]:
+    """The step timeline of a prefill per request then ``num_decodes`` decodes
+    of two requests, outputs read one step late (async) or at once (sync),
+    on this thread or, with ``output_thread``, on another (as the executor's
+    output thread does). The device from ``VLLM_NEURON_SCHED_DEVICE``."""
+    from vllm_neuron_sched.worker.timeline import StepTimeline
+
+    sched = ScriptedScheduler()
+    sched.add("a", [3, 1, 4, 1, 5])
+    sched.add("b", [9, 2, 6])
+    timeline = StepTimeline()
+    with (
+        toy_runner(is_async=is_async) as runner,
+        ThreadPoolExecutor(1, "output") as reader,
+    ):
+        runner.flow.subscribe(timeline)
+        steps = [sched.prefill("a"), sched.prefill("b")]
+        steps += [sched.decode("a", "b") for _ in range(num_decodes)]
+        unread: list[Any] = []
+
+        def read_oldest() -> None:
+            output = unread.pop(0)
+            if output_thread:
+                reader.submit(read_output, output).result()
+            else:
+                read_output(output)
+
+        for scheduler_output in steps:
+            unread.append(run_step(runner, scheduler_output))
+            if len(unread) == 2 or not is_async:
+                read_oldest()
+        while unread:
+            read_oldest()
+    return timeline.snapshot(clear=True)

@@ -18,6 +18,11 @@ SMALL_ENGINE: dict[str, Any] = {
     "enforce_eager": True,
 }
 STOCK_ENV = {"VLLM_NEURON_SCHED_DISABLE": "1"}  # stock vLLM CPU in a child
+# Prompt lengths across the 32-token chunk size and budgets that differ: five
+# requests over four sequence slots finish at different steps and later ones
+# join a running batch.
+MIXED_LENGTHS = [5, 33, 70, 12, 47]
+MIXED_BUDGETS = [12, 20, 8, 16, 10]
 
 
 def token_prompts(

@@ -42,21 +42,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm_neuron_sched.core.step_view import BatchShape
+
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
 
     from vllm_neuron_sched.runtime import DeviceFuture, Materializer
     from vllm_neuron_sched.runtime.device import Device
-
-
-class BatchShape(Enum):
-    """What a step's batch holds (a fact about the batch, not a scheduling
-    decision: see ``core.chunked_prefill.StepPlanKind`` for those)."""
-
-    DECODE = "decode"  # every row decodes one token
-    PREFILL = "prefill"  # no row decodes: prompt chunks only
-    MIXED = "mixed"  # both (only a user's scheduler makes these)
 
 
 class StepState(Enum):

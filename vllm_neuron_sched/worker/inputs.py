@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_neuron_sched.worker.async_flow import PAD_SLOT, BatchShape
+from vllm_neuron_sched.core.step_view import BatchShape
+from vllm_neuron_sched.worker.async_flow import PAD_SLOT
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -93,13 +94,7 @@ def build_step_inputs(
 
     is_decode_row = (num_scheduled == 1) & (num_computed + 1 == num_known)
     is_decode_row &= num_computed >= num_prompt
-    shape = (
-        BatchShape.DECODE
-        if is_decode_row.all()
-        else BatchShape.PREFILL
-        if not is_decode_row.any()
-        else BatchShape.MIXED
-    )
+    shape = BatchShape.of((~is_decode_row).tolist())
     num_tokens = int(num_scheduled.sum())
     if shape is BatchShape.DECODE:
         num_tokens_padded = buckets.pad_decode(num_reqs)

@@ -24,6 +24,7 @@ from vllm_neuron_sched.core.scheduler import (
     ChunkedPrefillScheduler,
     PoolingScheduler,
 )
+from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.testing.scheduler_loop import (
     FakeRunner,
     LoopResult,
@@ -119,10 +120,7 @@ def req(req_id: str, prompt_len: int, max_tokens: int, **kw) -> Request:
 
 def step_kind(step: StepRecord) -> str:
     """'prefill', 'decode', 'idle', or 'mixed' (a broken step)."""
-    flags = set(step.is_prefill.values())
-    if len(flags) != 1:
-        return "mixed" if flags else "idle"
-    return "prefill" if flags == {True} else "decode"
+    return BatchShape.of(step.is_prefill.values()).value
 
 
 def step_kinds(runner: FakeRunner) -> list[str]:

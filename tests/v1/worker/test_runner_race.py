@@ -22,6 +22,7 @@ from vllm_neuron_sched.testing.toy_runner import (
     VOCAB,
     MainThreadOnlyArray,
     expected_output,
+    scheduler_output,
     toy_runner,
 )
 from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
@@ -129,16 +130,7 @@ class SimScheduler:
         ]
         if any(r.num_computed >= len(r.prompt) for r in scheduled):
             self.num_sampling_steps += 1
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            finished_req_ids=finished,
-            free_encoder_mm_hashes=[],
-        )
+        return scheduler_output(new_reqs, cached, num_scheduled, finished)
 
     def update(self, output: ModelRunnerOutput) -> None:
         by_id = {r.req_id: r for r in self.running + self.done}

@@ -1,48 +1,20 @@
 """The benchmarks' step timeline (worker/timeline.py), subscribed to the real
 runner's async flow on the toy model: structure only, never durations."""
 
-from typing import Any
-
 import pytest
 
-from vllm_neuron_sched.testing.toy_runner import (
-    ScriptedScheduler,
-    read_output,
-    run_step,
-    toy_runner,
-)
+from vllm_neuron_sched.testing.toy_runner import record_timeline
 from vllm_neuron_sched.worker.timeline import DEVICE, HOST, WAIT, StepTimeline
 
 NUM_DECODES = 6
 MAIN = "MainThread"
 
 
-def _record(is_async: bool) -> dict[str, Any]:
-    """A prefill then decodes of two requests; outputs read one step late
-    (async) or at once (sync), as the engine does."""
-    sched = ScriptedScheduler()
-    sched.add("a", [3, 1, 4, 1, 5])
-    sched.add("b", [9, 2, 6])
-    timeline = StepTimeline()
-    with toy_runner(is_async=is_async) as runner:
-        runner.flow.subscribe(timeline)
-        steps = [sched.prefill("a"), sched.prefill("b")]
-        steps += [sched.decode("a", "b") for _ in range(NUM_DECODES)]
-        unread: list[Any] = []
-        for scheduler_output in steps:
-            unread.append(run_step(runner, scheduler_output))
-            if len(unread) == 2 or not is_async:
-                read_output(unread.pop(0))
-        for output in unread:
-            read_output(output)
-    return timeline.snapshot(clear=True)
-
-
 @pytest.fixture(params=[True, False], ids=["async", "sync"])
 def recorded(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
     monkeypatch.setenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", "1")
-    return _record(request.param), request.param
+    return record_timeline(request.param, NUM_DECODES), request.param
 
 
 def test_steps_are_numbered_in_order(recorded) -> None:

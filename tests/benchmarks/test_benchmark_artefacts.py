@@ -1,0 +1,61 @@
+"""The benchmark's modules import with what the set-up installs, and its
+figures and plots come out of a recorded timeline: a missing dependency
+fails here, not at the end of a 15-minute run. No engine."""
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_neuron_sched.testing.toy_runner import record_timeline
+
+NUM_DECODES = 12
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "benchmarks.run",
+        "benchmarks.child",
+        "benchmarks.analysis",
+        "benchmarks.bench_serve",
+        "benchmarks.serve_tp",
+    ],
+)
+def test_benchmark_modules_import(module: str) -> None:
+    importlib.import_module(module)
+
+
+@pytest.fixture(scope="module")
+def timeline() -> dict[str, Any]:
+    """Two requests decoding together on the toy runner, as the worker sends
+    its timeline over RPC."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
+        mp.setenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", "1")
+        recorded = record_timeline(True, NUM_DECODES, output_thread=True)
+    return json.loads(json.dumps(recorded))
+
+
+def test_step_figures_from_a_timeline(timeline: dict[str, Any]) -> None:
+    from benchmarks.analysis import step_figures
+
+    figures = step_figures(timeline, batch=2)
+    assert figures["num_steady_steps"] == NUM_DECODES - 1  # periods between them
+    for key in ("step_s", "t_dev_s", "t_host_worker_s"):
+        assert figures[key] > 0, key
+
+
+def test_trace_and_plot_are_written(timeline: dict[str, Any], tmp_path: Path) -> None:
+    from benchmarks.analysis import check_plotting, chrome_trace, plot_timelines
+
+    check_plotting()
+    trace = tmp_path / "trace.json"
+    chrome_trace({"toy async": timeline}, trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["cat"] for e in events if e["ph"] == "X"} >= {"host", "device"}
+    png = tmp_path / "timeline.png"
+    assert plot_timelines({"toy async": timeline}, 2, png, "toy")
+    assert png.read_bytes().startswith(b"\x89PNG")
