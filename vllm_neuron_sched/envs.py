@@ -1,7 +1,10 @@
 """Every ``VLLM_NEURON_SCHED_*`` environment variable, typed, in one place.
 
 Read lazily (``envs.VLLM_NEURON_SCHED_DEVICE``) so tests can set them with
-``monkeypatch.setenv`` and worker processes see the values they inherited.
+``monkeypatch.setenv`` and worker processes see the values they inherited. A
+malformed value raises ``ValueError`` naming the variable and the accepted
+form; ``check_values()`` reads them all, so the platform refuses a bad one at
+start-up, before any process is spawned.
 """
 
 import os
@@ -21,9 +24,55 @@ if TYPE_CHECKING:
     VLLM_NEURON_SCHED_METRICS_DIR: str = ""
     VLLM_NEURON_SCHED_FAULT_AT_EXECUTION: int = 0
 
+DEVICE_KINDS = ("auto", "thread", "inline", "neuron")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
 
 def _bool(name: str, default: str) -> Callable[[], bool]:
-    return lambda: os.getenv(name, default).strip().lower() in ("1", "true", "yes")
+    def read() -> bool:
+        value = os.getenv(name, default).strip().lower()
+        if value in _TRUE or value in _FALSE:
+            return value in _TRUE
+        raise ValueError(
+            f"{name}={os.environ[name]!r}: expected a boolean, one of "
+            f"{', '.join(_TRUE)} or {', '.join(v for v in _FALSE if v)}"
+        )
+
+    return read
+
+
+def _number(
+    name: str, default: str, kind: type[int] | type[float], meaning: str
+) -> Callable[[], Any]:
+    """An int or float >= 0; ``meaning`` completes "expected ..."."""
+
+    def read() -> Any:
+        raw = os.getenv(name, default)
+        try:
+            value = kind(raw.strip())
+        except ValueError:
+            value = None
+        if value is None or value < 0 or value != value:  # NaN
+            raise ValueError(f"{name}={raw!r}: expected {meaning}")
+        return value
+
+    return read
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.getenv(name, default).strip().lower()
+        if value not in choices:
+            raise ValueError(
+                f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}"
+            )
+        return value
+
+    return read
+
+
+def _text(name: str, default: str = "") -> Callable[[], str]:
+    return lambda: os.getenv(name, default)
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
@@ -33,35 +82,39 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (runs at enqueue on the worker's thread), "neuron" (torch-neuronx), or
     # "auto": inline when the device is the worker's own cores, thread when a
     # simulated device latency is set (runtime/backends.py says why).
-    "VLLM_NEURON_SCHED_DEVICE": lambda: os.getenv(
-        "VLLM_NEURON_SCHED_DEVICE", "auto"
-    ).lower(),
+    "VLLM_NEURON_SCHED_DEVICE": _choice(
+        "VLLM_NEURON_SCHED_DEVICE", "auto", DEVICE_KINDS
+    ),
     # Each device execution also holds the device this many milliseconds
     # without using a core, to measure overlap on its own. 0 = off.
-    "VLLM_NEURON_SCHED_SIM_DEVICE_MS": lambda: float(
-        os.getenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", "0")
+    "VLLM_NEURON_SCHED_SIM_DEVICE_MS": _number(
+        "VLLM_NEURON_SCHED_SIM_DEVICE_MS", "0", float, "milliseconds, a number >= 0"
     ),
     # Volumetric limit: decode batch size * worst-case tkv. 0 = no limit
     # beyond max_num_seqs * max_model_len.
-    "VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT": lambda: int(
-        os.getenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "0")
+    "VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT": _number(
+        "VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT",
+        "0",
+        int,
+        "tokens, an integer >= 0 (0: max_num_seqs * max_model_len)",
     ),
     # Refuse a prefill step right after a prefill step while decodes wait.
     "VLLM_NEURON_SCHED_PREFILL_INTERLEAVING": _bool(
         "VLLM_NEURON_SCHED_PREFILL_INTERLEAVING", "1"
     ),
     # Static pooling shapes, "PROMPT_LENxBATCH,..." e.g. "64x8,256x2".
-    # Empty: one shape, max_model_len x max_num_seqs.
-    "VLLM_NEURON_SCHED_POOLING_SHAPES": lambda: os.getenv(
-        "VLLM_NEURON_SCHED_POOLING_SHAPES", ""
-    ),
+    # Empty: one shape, max_model_len x max_num_seqs. Checked against the
+    # configuration at start-up (core/limits.py).
+    "VLLM_NEURON_SCHED_POOLING_SHAPES": _text("VLLM_NEURON_SCHED_POOLING_SHAPES"),
     # Decode batch buckets, "1,2,4,8". Empty: powers of two up to max_num_seqs.
-    "VLLM_NEURON_SCHED_DECODE_BUCKETS": lambda: os.getenv(
-        "VLLM_NEURON_SCHED_DECODE_BUCKETS", ""
-    ),
+    # Checked against the configuration at start-up (worker/buckets.py).
+    "VLLM_NEURON_SCHED_DECODE_BUCKETS": _text("VLLM_NEURON_SCHED_DECODE_BUCKETS"),
     # Seconds between the worker's async/fallback counter log lines; 0 = off.
-    "VLLM_NEURON_SCHED_STATS_INTERVAL_S": lambda: float(
-        os.getenv("VLLM_NEURON_SCHED_STATS_INTERVAL_S", "10")
+    "VLLM_NEURON_SCHED_STATS_INTERVAL_S": _number(
+        "VLLM_NEURON_SCHED_STATS_INTERVAL_S",
+        "10",
+        float,
+        "seconds, a number >= 0 (0: no log line)",
     ),
     # "1": the worker records per-step host/device busy intervals for the
     # benchmarks (worker/timeline.py); read with collective_rpc("get_step_timeline").
@@ -69,15 +122,28 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Directory where workers publish the Prometheus counters (metrics.py).
     # Set by the platform in the front-end process before it spawns the
     # engine; empty in a process that exports nothing.
-    "VLLM_NEURON_SCHED_METRICS_DIR": lambda: os.getenv(
-        "VLLM_NEURON_SCHED_METRICS_DIR", ""
-    ),
+    "VLLM_NEURON_SCHED_METRICS_DIR": _text("VLLM_NEURON_SCHED_METRICS_DIR"),
     # Fault injection for reliability tests: the device's Nth execution raises
     # instead of running. 0 = off.
-    "VLLM_NEURON_SCHED_FAULT_AT_EXECUTION": lambda: int(
-        os.getenv("VLLM_NEURON_SCHED_FAULT_AT_EXECUTION", "0")
+    "VLLM_NEURON_SCHED_FAULT_AT_EXECUTION": _number(
+        "VLLM_NEURON_SCHED_FAULT_AT_EXECUTION",
+        "0",
+        int,
+        "an execution number, an integer >= 0 (0: no fault)",
     ),
 }
+
+
+def check_values() -> None:
+    """Reads every variable; one ``ValueError`` lists every malformed one."""
+    errors = []
+    for read in environment_variables.values():
+        try:
+            read()
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
+from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.limits import RequestLimits
 from vllm_neuron_sched.metrics import setup_metrics_export
 
@@ -78,6 +79,33 @@ def check_thread_binding(num_local_workers: int) -> None:
     )
 
 
+def check_environment(vllm_config: "VllmConfig") -> None:
+    """Every VLLM_NEURON_SCHED_* value, at start-up in the front end: a value
+    that cannot be parsed, or that cannot work with this configuration, is
+    refused here with its name, not later inside a worker."""
+    import importlib.util
+
+    from vllm_neuron_sched.core.limits import parse_pooling_shapes
+    from vllm_neuron_sched.worker.buckets import parse_decode_buckets
+
+    envs.check_values()
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    parse_decode_buckets(envs.VLLM_NEURON_SCHED_DECODE_BUCKETS, max_num_seqs)
+    if vllm_config.model_config is not None:
+        max_model_len = vllm_config.model_config.max_model_len
+        parse_pooling_shapes(
+            envs.VLLM_NEURON_SCHED_POOLING_SHAPES, max_model_len, max_num_seqs
+        )
+    if (
+        envs.VLLM_NEURON_SCHED_DEVICE == "neuron"
+        and importlib.util.find_spec("torch_neuronx") is None
+    ):
+        raise ValueError(
+            "VLLM_NEURON_SCHED_DEVICE=neuron needs torch-neuronx (`pip install "
+            "torch-neuronx` with the AWS Neuron SDK); choose auto, thread or inline"
+        )
+
+
 class NeuronSchedPlatform(CpuPlatform):
     # id(VllmConfig) -> its request limits, for every configuration alive in
     # this process (set in check_and_update_config, dropped with the config):
@@ -97,6 +125,7 @@ class NeuronSchedPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        check_environment(vllm_config)
         scheduler_config = vllm_config.scheduler_config
         parallel_config = vllm_config.parallel_config
         cache_config = vllm_config.cache_config
