@@ -91,6 +91,11 @@ class DeviceTokens:
         slot = self._slot_of[req_id] = self._free.pop()
         return slot
 
+    @property
+    def capacity(self) -> int:
+        """Slots the table has (the padding slot aside)."""
+        return self._capacity
+
     def release(self, req_id: str) -> None:
         if (slot := self._slot_of.pop(req_id, None)) is not None:
             self._free.append(slot)

@@ -218,3 +218,24 @@ def test_repetition_penalty_across_a_join() -> None:
     # Without the penalty (or with a history missing the newest token) the
     # model would repeat its input token.
     assert engine.tokens["b"] != expected_output(prompts["b"], 5, 1.0)
+
+
+@pytest.mark.usefixtures("thread_device")
+def test_more_live_requests_than_token_slots() -> None:
+    """Requests keep their slot while out of the batch (e.g. preempted): with
+    more of them than ``max_num_seqs`` the table grows on the device, in
+    order, and no token moves to another request."""
+    sched = ScriptedScheduler()
+    prompts = {f"r{i}": _prompt(20 + i, 3 + i) for i in range(8)}
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt)
+    first, second = list(prompts)[:4], list(prompts)[4:]
+    with toy_runner(is_async=True) as runner:
+        engine = Engine(runner)
+        engine.run(*(sched.prefill(r) for r in prompts))
+        for _ in range(3):
+            engine.run(sched.decode(*first), sched.decode(*second))
+        _assert_no_fallback(runner, num_async=6)
+        assert runner.flow.tokens.capacity > runner.max_num_reqs == 6
+    _assert_tokens(engine, prompts)
+    assert all(len(tokens) == 4 for tokens in engine.tokens.values())
