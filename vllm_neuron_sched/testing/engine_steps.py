@@ -80,6 +80,7 @@ class Row:
     kind: str
     running: tuple[str, ...]
     waiting: tuple[str, ...]
+    # The decode batch tkv right after this call's schedule().
     tkv: int
     blocks_used: int
     # Blocks in use right after this call's schedule() (before any update
@@ -148,7 +149,9 @@ class EngineStepper:
         self.core = self.engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.eos_token_id = eos_token_id
-        self._scheduled: list[tuple[dict[str, int], int, tuple[str, ...]]] = []
+        # Per scheduled step: tokens per request, KV blocks in use, preempted
+        # ids, and the decode tkv as the scheduler planned it.
+        self._scheduled: list[tuple[dict[str, int], int, tuple[str, ...], int]] = []
         schedule = self.scheduler.schedule
 
         def observed_schedule(*args: Any, **kwargs: Any):
@@ -157,7 +160,12 @@ class EngineStepper:
                 sorted(self.external_id(r) for r in output.preempted_req_ids or ())
             )
             scheduled = dict(output.num_scheduled_tokens)
-            self._scheduled.append((scheduled, self.blocks_used(), preempted))
+            tkv = (
+                self.scheduler.decode_tkv()
+                if hasattr(self.scheduler, "decode_tkv")
+                else 0
+            )
+            self._scheduled.append((scheduled, self.blocks_used(), preempted, tkv))
             return output
 
         # Observation only: records each SchedulerOutput, changes nothing.
@@ -236,8 +244,8 @@ class EngineStepper:
         base: dict[str, int],
     ) -> Row:
         scheduler = self.scheduler
-        scheduled, blocks_at_schedule, preempted = (
-            self._scheduled[-1] if self._scheduled else ({}, self.blocks_used(), ())
+        scheduled, blocks_at_schedule, preempted, tkv = (
+            self._scheduled[-1] if self._scheduled else ({}, self.blocks_used(), (), 0)
         )
         counters = self.counters()
         return Row(
@@ -246,7 +254,7 @@ class EngineStepper:
             kind=self._kind(scheduled) if self._scheduled else "-",
             running=tuple(self.external_id(r.request_id) for r in scheduler.running),
             waiting=tuple(self.external_id(r.request_id) for r in scheduler.waiting),
-            tkv=scheduler.decode_tkv() if hasattr(scheduler, "decode_tkv") else 0,
+            tkv=tkv,
             blocks_used=self.blocks_used(),
             blocks_at_schedule=blocks_at_schedule,
             blocks_reserved=(
