@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -25,7 +24,6 @@ from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
     engine_args,
-    parse_metrics,
     thread_binding,
 )
 from vllm_neuron_sched.testing.workloads import STOCK_ENV, token_prompts
@@ -68,24 +66,6 @@ def server(
         checkpoint_dir, args, log, env, timeout_s=START_TIMEOUT_S
     ) as server:
         yield server
-
-
-async def _metrics(server: OpenAIServer) -> dict[str, float]:
-    """Unlabelled-by-us samples of /metrics, summed over label sets."""
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(f"{server.url}/metrics", timeout=30)).text
-    return parse_metrics(text)
-
-
-async def _rank_states(server: OpenAIServer) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient() as http:
-        response = await http.post(
-            f"{server.url}/collective_rpc",
-            json={"method": "get_rank_state"},
-            timeout=60,
-        )
-    response.raise_for_status()
-    return response.json()["results"]
 
 
 async def _complete(
@@ -185,13 +165,13 @@ async def test_ranks_agree_and_futures_stay_bounded(
     """Every rank ends with the same token histories (the non-output ranks,
     whose outputs nobody reads, do not drift) and never holds more than two
     steps in flight; two at once shows the depth-2 batch queue at work."""
-    before = await _rank_states(server)
+    before = await server.rank_states()
     prompts = [prompt[:8] for prompt in _prompts()]
     *_, mid_run = await asyncio.gather(
         *(_complete(client, p, stream=True, max_tokens=64) for p in prompts),
-        _rank_states(server),  # mid-run when the server is quick enough
+        server.rank_states(),  # mid-run when the server is quick enough
     )
-    after = await _rank_states(server)
+    after = await server.rank_states()
     for states in (before, mid_run, after):
         assert sorted(s["tp_rank"] for s in states) == list(range(TP))
         assert len({s["history_digest"] for s in states}) == 1, states
@@ -229,7 +209,7 @@ async def test_disconnect_aborts_at_once_and_frees_its_blocks(
         "stream": True,
         "ignore_eos": True,
     }
-    before = await _metrics(server)
+    before = await server.ametrics()
     # A client process that reads three chunks and exits: its socket closes.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _DISCONNECTING_CLIENT, server.url, json.dumps(body)
@@ -238,31 +218,17 @@ async def test_disconnect_aborts_at_once_and_frees_its_blocks(
     other = await _complete(client, _prompts()[0], stream=True)
     assert len(other) == MAX_TOKENS
 
-    after = await _wait_idle(server)
+    after = await server.wait_idle()
     assert after["vllm:num_requests_running"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0
-    steps = sum(
-        after[f"vllm:neuron_sched_{c}_total"] - before.get(f"vllm:neuron_sched_{c}_total", 0)
+    counters = [
+        f"vllm:neuron_sched_{c}_total"
         for c in ("prefill_steps", "async_steps", "sync_fallback_steps")
-    )
+    ]
+    steps = sum(after[c] - before.get(c, 0) for c in counters)
     # Two prefills, three streamed tokens, the few steps an abort takes to
     # reach the scheduler, and the other request's 16: far from 200.
     assert steps <= 2 + 3 + 8 + MAX_TOKENS, steps
-
-
-async def _wait_idle(server: OpenAIServer, timeout_s: float = 60) -> dict[str, float]:
-    """/metrics once no request runs or waits and the KV cache is empty."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = await _metrics(server)
-        idle = (
-            metrics["vllm:num_requests_running"] == 0
-            and metrics["vllm:num_requests_waiting"] == 0
-            and metrics["vllm:kv_cache_usage_perc"] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return metrics
-        await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize(
@@ -300,7 +266,7 @@ async def test_metrics_count_async_steps_and_dead_tokens(
     # A token that greedy decoding produces first at a position >= 3: a
     # request that stops on it ends mid-run, with the next step scheduled.
     stop_at = next(i for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
-    before = await _metrics(server)
+    before = await server.ametrics()
 
     stopped = await _complete(
         client, prompt, stream=False, extra_body={"stop_token_ids": [greedy[stop_at]]}
@@ -310,7 +276,7 @@ async def test_metrics_count_async_steps_and_dead_tokens(
     deadline = time.monotonic() + 30
     name = "vllm:neuron_sched_dead_tokens_total"
     while True:
-        after = await _metrics(server)
+        after = await server.ametrics()
         if after.get(name, 0) > before.get(name, 0) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)

@@ -8,6 +8,8 @@ killing its process group).
         client = server.client()
 """
 
+import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -144,6 +146,54 @@ class OpenAIServer:
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples, summed over label sets."""
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
+
+    async def ametrics(self) -> dict[str, float]:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{self.url}/metrics", timeout=30)).text
+        return parse_metrics(text)
+
+    async def wait_idle(self, timeout_s: float = 60) -> dict[str, float]:
+        """``/metrics`` once no request runs or waits and no KV block is in
+        use (or the last sample, at the timeout: the caller asserts)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metrics = await self.ametrics()
+            idle = (
+                metrics["vllm:num_requests_running"] == 0
+                and metrics["vllm:num_requests_waiting"] == 0
+                and metrics["vllm:kv_cache_usage_perc"] == 0
+            )
+            if idle or time.monotonic() > deadline:
+                return metrics
+            await asyncio.sleep(0.2)
+
+    async def rank_states(self) -> list[dict[str, Any]]:
+        """Every rank's ``get_rank_state`` (needs ``VLLM_SERVER_DEV_MODE=1``)."""
+        async with httpx.AsyncClient() as http:
+            response = await http.post(
+                f"{self.url}/collective_rpc",
+                json={"method": "get_rank_state"},
+                timeout=60,
+            )
+        response.raise_for_status()
+        return response.json()["results"]
+
+    def processes(self) -> list[Any]:
+        """The server and every process under it (engine core, workers)."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's whole process tree."""
+        import psutil
+
+        total = 0
+        for process in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += process.memory_info().rss
+        return total
 
 
 def parse_metrics(text: str) -> dict[str, float]:
