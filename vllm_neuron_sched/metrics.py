@@ -48,7 +48,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "dead_tokens": (
         "vllm:neuron_sched_dead_tokens",
         "Tokens computed for requests that had already finished (EOS, stop "
-        "token or string): the run-ahead step, discarded.",
+        "token or string, abort): the run-ahead step, discarded.",
     ),
 }
 
