@@ -111,6 +111,24 @@ class NeuronSchedPlatform(CpuPlatform):
     # this process (set in check_and_update_config, dropped with the config):
     # read by validate_request, which vLLM calls without the configuration.
     _request_limits: dict[int, RequestLimits] = {}
+    # Workers on this node; set by each of our workers for its own process.
+    _workers_per_node: int = 1
+
+    @classmethod
+    def device_count(cls) -> int:
+        """Devices on this node: on a CPU, one per worker.
+
+        vLLM tells the ranks that share a node by ``rank // device_count()``
+        (the single-reader queues of multi-node TP, ``shm_broadcast``). The
+        CPU platform's answer, torch's constant 1, makes every rank a node of
+        its own, and a multi-node start with two workers per node fails on an
+        assertion in ``MultiprocExecutor``.
+        """
+        return cls._workers_per_node
+
+    @classmethod
+    def set_workers_per_node(cls, num_workers: int) -> None:
+        cls._workers_per_node = num_workers
 
     @classmethod
     def pre_register_and_update(

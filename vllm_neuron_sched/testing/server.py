@@ -49,6 +49,96 @@ def engine_args(engine: dict[str, Any]) -> list[str]:
     return args
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process's whole group (it was started in a session of
+    its own), then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_gone(processes: list[Any], timeout_s: float) -> list[Any]:
+    """Waits until none of ``processes`` (psutil) runs; returns the ones
+    still alive at the timeout (zombies count as gone)."""
+    import psutil
+
+    def alive(process: Any) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in processes if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _server_env(env: dict[str, str] | None) -> dict[str, str]:
+    return {
+        # Each server makes its own metrics directory.
+        **{k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV},
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        **(env or {}),
+    }
+
+
+def _spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """In a session of its own, so that stopping it reaches every process
+    it spawns."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+class HeadlessNode:
+    """``vllm serve --headless``: the workers of one more node of a multi-node
+    engine, no API server (pass the ``--nnodes``/``--node-rank``/
+    ``--master-*`` flags in ``args``)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        command = [
+            sys.executable, "-m", "vllm_neuron_sched.cli", "serve", str(model),
+            "--headless", *args,
+        ]  # fmt: skip
+        self.proc = _spawn(command, _server_env(env), log)
+        self.log = log
+
+    def __enter__(self) -> "HeadlessNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def kill(self) -> None:
+        """The node dies: every process on it, at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+
+
 class OpenAIServer:
     """A running ``vllm.entrypoints.openai.api_server`` process."""
 
@@ -69,27 +159,12 @@ class OpenAIServer:
         """Starts the server (served as ``SERVED_MODEL``) and waits until
         ``/health`` answers; stops it and raises if it dies or never does."""
         port = free_port()
-        full_env = {
-            # Each server makes its own metrics directory.
-            **{k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV},
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            **(env or {}),
-        }
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", SERVED_MODEL,
             "--host", "127.0.0.1", "--port", str(port), *args,
         ]  # fmt: skip
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                command,
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        proc = _spawn(command, _server_env(env), log)
         server = cls(f"http://127.0.0.1:{port}", proc, log)
         try:
             server.wait_healthy(timeout_s)
@@ -118,17 +193,7 @@ class OpenAIServer:
         raise TimeoutError(f"server not healthy in {timeout_s}s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        """SIGTERM to the whole process group, then SIGKILL."""
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self.proc)
 
     def client(self, timeout_s: float = 120) -> Any:
         import openai

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -28,6 +29,7 @@ class NeuronSchedWorker(CPUWorker):
         """
         self.use_v2_model_runner = False
         self._counters: CounterPublisher | None = None
+        current_platform.set_workers_per_node(self.parallel_config.local_world_size)
         if self.model_config.runner_type != "generate":
             # Pooling runs whole static batches, synchronously: vLLM's runner.
             super().init_device()

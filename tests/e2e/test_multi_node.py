@@ -1,0 +1,175 @@
+"""Two nodes on loopback: TP=4 over vLLM's multiprocessing executor, async on.
+
+Node 0 is the API server with TP ranks 0-1; node 1 runs ``serve --headless``
+with ranks 2-3. Both bind their two workers to the two cores (``0|1``), the
+way two TP=2 halves would on two machines. Greedy completions, streamed and
+not, must equal our platform at TP=1; the per-rank state RPC must reach all
+four ranks, with equal token histories and at most two steps in flight. Last,
+node 1 dies (every process on it): the API server must report an error to the
+request in flight and exit, not hang.
+"""
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.server import (
+    SERVED_MODEL,
+    HeadlessNode,
+    OpenAIServer,
+    engine_args,
+    free_port,
+    thread_binding,
+    wait_gone,
+)
+from vllm_neuron_sched.testing.workloads import token_prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+TP = 4
+NODES = 2
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "seed": 0,
+    "enforce_eager": True,
+}
+MAX_TOKENS = 16
+PROMPTS = token_prompts([5, 33, 70, 12])
+EXIT_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[OpenAIServer, HeadlessNode]]:
+    logs: Path = tmp_path_factory.mktemp("two_nodes")
+    args = [
+        "--tensor-parallel-size", str(TP),
+        "--nnodes", str(NODES),
+        "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()),
+        *engine_args(ENGINE),
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(TP // NODES),
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /collective_rpc
+    }
+    with HeadlessNode(
+        checkpoint_dir, [*args, "--node-rank", "1"], logs / "node1.log", env
+    ) as node1:
+        try:
+            server = OpenAIServer.start(
+                checkpoint_dir,
+                [*args, "--node-rank", "0"],
+                logs / "node0.log",
+                env,
+                timeout_s=300,
+            )
+        except BaseException as error:
+            tail = node1.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"node 0 did not start; node 1 log:\n{tail}") from error
+        with server:
+            yield server, node1
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(checkpoint_dir: str) -> list[list[int]]:
+    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    return [
+        r["token_ids"]
+        for r in generate_in_subprocess(
+            checkpoint_dir, PROMPTS, sampling, {**ENGINE, "max_num_seqs": 4}
+        )
+    ]
+
+
+async def _complete(
+    client: openai.AsyncOpenAI, prompt: list[int], stream: bool, max_tokens: int
+) -> list[int]:
+    params = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    if not stream:
+        response = await client.completions.create(**params)
+        return list(response.choices[0].token_ids)
+    token_ids: list[int] = []
+    async for chunk in await client.completions.create(stream=True, **params):
+        token_ids += chunk.choices[0].token_ids or []
+    return token_ids
+
+
+async def test_two_nodes_equal_tp1_and_ranks_agree(
+    nodes: tuple[OpenAIServer, HeadlessNode], tp1_tokens: list[list[int]]
+) -> None:
+    server, _ = nodes
+    client = server.client()
+    before = await server.ametrics()
+    *results, mid_run = await asyncio.gather(
+        *(_complete(client, p, stream=False, max_tokens=MAX_TOKENS) for p in PROMPTS),
+        *(_complete(client, p, stream=True, max_tokens=MAX_TOKENS) for p in PROMPTS),
+        server.rank_states(),
+    )
+    assert results[: len(PROMPTS)] == tp1_tokens
+    assert results[len(PROMPTS) :] == tp1_tokens
+
+    after = await server.wait_idle()
+    final = await server.rank_states()
+    for states in (mid_run, final):
+        assert sorted(s["tp_rank"] for s in states) == list(range(TP)), states
+        assert len({s["history_digest"] for s in states}) == 1, states
+        assert len({s["finished_digest"] for s in states}) == 1, states
+        assert all(s["max_in_flight_steps"] <= 2 for s in states), states
+    assert all(s["num_requests"] == 0 for s in final), final
+    async_steps = "vllm:neuron_sched_async_steps_total"
+    assert after[async_steps] > before.get(async_steps, 0)
+    assert after["vllm:kv_cache_usage_perc"] == 0
+
+
+async def test_dead_node_fails_requests_and_server_exits(
+    nodes: tuple[OpenAIServer, HeadlessNode],
+) -> None:
+    """Runs last in the module: it ends both nodes."""
+    server, node1 = nodes
+    client = server.client(timeout_s=120)
+    started = asyncio.Event()
+
+    async def stream() -> str:
+        num_chunks = 0
+        try:
+            async for _ in await client.completions.create(
+                model=SERVED_MODEL,
+                prompt=PROMPTS[0],
+                max_tokens=200,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                num_chunks += 1
+                if num_chunks == 3:
+                    started.set()
+        except openai.APIError as error:
+            return f"error after {num_chunks} chunks: {error}"
+        return f"completed: {num_chunks} chunks"
+
+    request = asyncio.create_task(stream())
+    await asyncio.wait_for(started.wait(), timeout=120)
+    node0 = server.processes()[1:]
+    node1.kill()
+    killed_at = time.monotonic()
+    outcome = await asyncio.wait_for(request, timeout=EXIT_TIMEOUT_S)
+    assert outcome.startswith("error"), outcome
+    while server.proc.poll() is None:
+        assert time.monotonic() - killed_at < EXIT_TIMEOUT_S, "API server hangs"
+        await asyncio.sleep(0.2)
+    assert not wait_gone(node0, timeout_s=30), "outlived the API server"
