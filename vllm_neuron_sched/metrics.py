@@ -68,19 +68,22 @@ def setup_metrics_export() -> None:
 
 
 class CounterPublisher:
-    """Writes one worker's counters where the front end's collector reads
-    them. Only one rank publishes: every rank runs the same flow."""
+    """Writes one engine's counters where the front end's collector reads
+    them. One worker per engine publishes (its TP rank 0: every rank runs the
+    same flow), labelled as vLLM labels its own, ``model_name`` and
+    ``engine`` (the data-parallel rank), so replicas show side by side."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, labels: dict[str, str]) -> None:
         self._file = MmapedDict(os.path.join(directory, f"counter_{os.getpid()}.db"))
+        self._labels = labels
         self._published: dict[str, int] = {}
 
     @classmethod
-    def from_env(cls) -> "CounterPublisher | None":
+    def from_env(cls, model_name: str, engine: int) -> "CounterPublisher | None":
         directory = envs.VLLM_NEURON_SCHED_METRICS_DIR
         if not directory or not os.path.isdir(directory):
             return None
-        return cls(directory)
+        return cls(directory, {"model_name": model_name, "engine": str(engine)})
 
     def publish(self, stats: dict[str, int]) -> None:
         now = time.time()
@@ -89,9 +92,14 @@ class CounterPublisher:
             if self._published.get(key) == value:
                 continue
             self._published[key] = value
-            self._file.write_value(
-                mmap_key(name, f"{name}_total", [], [], help_text), float(value), now
+            key = mmap_key(
+                name,
+                f"{name}_total",
+                list(self._labels),
+                list(self._labels.values()),
+                help_text,
             )
+            self._file.write_value(key, float(value), now)
 
     def close(self) -> None:
         self._file.close()

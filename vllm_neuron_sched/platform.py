@@ -19,7 +19,7 @@ from vllm_neuron_sched.core.limits import RequestLimits
 from vllm_neuron_sched.metrics import setup_metrics_export
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
     from vllm.inputs import EngineInput
     from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
@@ -34,6 +34,14 @@ POOLING_SCHEDULER = f"{_SCHED}.PoolingScheduler"
 WORKER = "vllm_neuron_sched.worker.worker.NeuronSchedWorker"
 # The decode batch is rectangular in blocks of this many tokens (tkv blocks).
 DEFAULT_BLOCK_SIZE = 64
+
+
+def workers_on_this_node(parallel_config: "ParallelConfig") -> int:
+    """This node's share of one replica's ranks (multi-node TP), times the
+    replicas it runs (data parallel): the workers that need cores here."""
+    return parallel_config.local_world_size * max(
+        parallel_config.data_parallel_size_local, 1
+    )
 
 
 def check_thread_binding(num_local_workers: int) -> None:
@@ -70,7 +78,8 @@ def check_thread_binding(num_local_workers: int) -> None:
     else:
         binding = "|".join(str(cpus[r % len(cpus)]) for r in range(num_local_workers))
     raise ValueError(
-        f"{num_local_workers} CPU workers (tensor x pipeline parallel) but "
+        f"{num_local_workers} CPU workers on this node (tensor x pipeline "
+        "parallel ranks here, times data-parallel replicas) but "
         f"{num_nodes} NUMA node(s) and {len(cpus)} usable core(s): vLLM's "
         "automatic thread binding needs a NUMA node per worker. Bind the "
         "workers' OpenMP threads yourself, one '|'-separated core list per "
@@ -156,10 +165,7 @@ class NeuronSchedPlatform(CpuPlatform):
             cache_config.user_specified_block_size = True
 
         super().check_and_update_config(vllm_config)
-        check_thread_binding(
-            parallel_config.tensor_parallel_size
-            * parallel_config.pipeline_parallel_size
-        )
+        check_thread_binding(workers_on_this_node(parallel_config))
 
         is_pooling = model_config is not None and model_config.runner_type == "pooling"
         if is_pooling and requested_async:

@@ -213,9 +213,11 @@ class OpenAIServer:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
 
     async def ametrics(self) -> dict[str, float]:
+        return parse_metrics(await self.ametrics_text())
+
+    async def ametrics_text(self) -> str:
         async with httpx.AsyncClient() as http:
-            text = (await http.get(f"{self.url}/metrics", timeout=30)).text
-        return parse_metrics(text)
+            return (await http.get(f"{self.url}/metrics", timeout=30)).text
 
     async def wait_idle(self, timeout_s: float = 60) -> dict[str, float]:
         """``/metrics`` once no request runs or waits and no KV block is in
@@ -259,6 +261,21 @@ class OpenAIServer:
             with contextlib.suppress(psutil.NoSuchProcess):
                 total += process.memory_info().rss
         return total
+
+
+def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """One metric's samples summed per value of one label, e.g. per
+    ``engine`` (data-parallel replica)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)\{([^}]*)\} ([-+\w.]+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+        if label in labels:
+            key = labels[label]
+            values[key] = values.get(key, 0.0) + float(match.group(3))
+    return values
 
 
 def parse_metrics(text: str) -> dict[str, float]:

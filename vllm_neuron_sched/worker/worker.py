@@ -37,7 +37,12 @@ class NeuronSchedWorker(CPUWorker):
         with mock.patch.object(cpu_worker, "CPUModelRunner", NeuronSchedModelRunner):
             super().init_device()
         if self.model_runner.tp_rank == 0:
-            self._counters = CounterPublisher.from_env()
+            # data_parallel_index: the replica, also for dense models, whose
+            # data_parallel_rank vLLM resets to 0 in every engine core.
+            self._counters = CounterPublisher.from_env(
+                model_name=self.model_config.served_model_name,
+                engine=self.parallel_config.data_parallel_index,
+            )
 
     @torch.inference_mode()
     def execute_model(
