@@ -24,6 +24,8 @@ from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
     engine_args,
+    kill_mid_stream,
+    kill_titled,
     thread_binding,
 )
 from vllm_neuron_sched.testing.workloads import STOCK_ENV, token_prompts
@@ -291,3 +293,14 @@ async def test_metrics_count_async_steps_and_dead_tokens(
     assert delta("prefill_steps") >= 1
     assert delta("async_steps") >= stop_at
     assert delta("sync_fallback_steps") == 0
+
+
+async def test_killed_engine_core_fails_requests_and_server_exits(
+    server: OpenAIServer,
+) -> None:
+    """Last in the module: it ends the module's server."""
+    report = await kill_mid_stream(server, kill_titled("VLLM::EngineCore"))
+    assert all(o.startswith("error") for o in report.outcomes), report
+    assert report.outcomes[-1].startswith("error 5"), report  # not streamed
+    assert report.exit_s is not None, f"API server hangs\n{server.log_tail()}"
+    assert not report.survivors, report
