@@ -34,7 +34,8 @@ ENGINE = {
     "enforce_eager": True,
 }
 MAX_TOKENS = 16
-PROMPTS = token_prompts([5, 33, 70, 12, 21, 9, 48, 17])
+# The prompts and oracle engine of test_serve_tp4.py: one stock run for both.
+PROMPTS = token_prompts([5, 33, 70, 12])
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,11 @@ def stock_tokens(checkpoint_dir: str) -> list[list[int]]:
     return [
         r["token_ids"]
         for r in generate_in_subprocess(
-            checkpoint_dir, PROMPTS, sampling, ENGINE, env=STOCK_ENV
+            checkpoint_dir,
+            PROMPTS,
+            sampling,
+            {**ENGINE, "max_num_seqs": 4},
+            env=STOCK_ENV,
         )
     ]
 
@@ -74,8 +79,9 @@ async def test_both_replicas_serve_and_tokens_equal_stock(
     server: OpenAIServer, stock_tokens: list[list[int]]
 ) -> None:
     client = server.client()
-    results = await asyncio.gather(*(_complete(client, p) for p in PROMPTS))
-    assert results == stock_tokens
+    # Each prompt twice, all at once: enough for both replicas.
+    results = await asyncio.gather(*(_complete(client, p) for p in PROMPTS * 2))
+    assert results == stock_tokens * 2
 
     text = await server.ametrics_text()
     served = metric_by_label(text, "vllm:request_success_total", "engine")

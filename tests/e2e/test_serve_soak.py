@@ -1,5 +1,5 @@
 """A server soak with real clients: the async server at TP=1, and at TP=4 with
-fewer requests.
+fewer requests; then a process of that server killed mid-stream.
 
 The ``openai`` async client sends a seeded mix, at least 16 at a time:
 streaming and not, random prompt lengths and ``max_tokens``, stop strings,
@@ -9,6 +9,15 @@ request must equal its solo run on the same server (greedy), the server must
 hold nothing (``/metrics``, every rank's host state by RPC), its memory must
 be back where it was after warm-up, and the dead tokens stay within one per
 request that ended early.
+
+Last, ``kill -9`` mid-stream: of one TP rank at TP=4, of the engine core at
+TP=1 (the engine core's death at TP=4 ends ``test_serve_tp4.py``). With async
+scheduling up to two steps are in flight when a process dies, and each worker
+runs a device thread. Neither may change what vLLM does on its own: every
+request in flight gets an error (an error event in a stream, a 5xx
+otherwise), the API server exits within 60 s instead of hanging (with exit
+code 0, vLLM's choice, the same with stock vLLM), and no engine or worker
+process outlives it.
 """
 
 import asyncio
@@ -26,6 +35,8 @@ from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
     engine_args,
+    kill_mid_stream,
+    kill_titled,
     thread_binding,
 )
 
@@ -39,7 +50,9 @@ ENGINE = {
     "enforce_eager": True,
 }
 # tp -> requests in the soak (the warm-up runs a tenth more of the same mix).
-SOAK_SIZES = {1: 300, 4: 60}
+SOAK_SIZES = {1: 300, 4: 40}
+# tp -> the process killed at the end.
+VICTIMS = {1: "VLLM::EngineCore", 4: "VLLM::Worker_TP2"}
 CONCURRENCY = 16
 STOP_STRINGS = ["ka", "zu"]
 JSON_SCHEMA = {
@@ -255,3 +268,15 @@ async def test_soak_with_real_clients(server: tuple[OpenAIServer, int]) -> None:
         ) or not same_logprobs(solo.logprobs, outcome.logprobs):
             mismatches.append((spec.index, spec.params, outcome, solo))
     assert not mismatches, mismatches[:3]
+
+
+async def test_killed_process_fails_requests_and_server_exits(
+    server: tuple[OpenAIServer, int],
+) -> None:
+    """Last in the module for each server: it ends it."""
+    server, tp = server
+    report = await kill_mid_stream(server, kill_titled(VICTIMS[tp]))
+    assert all(o.startswith("error") for o in report.outcomes), report
+    assert report.outcomes[-1].startswith("error 5"), report  # not streamed
+    assert report.exit_s is not None, f"API server hangs\n{server.log_tail()}"
+    assert not report.survivors, report

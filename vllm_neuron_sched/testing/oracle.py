@@ -3,8 +3,12 @@
 vLLM resolves its platform once per process, so stock vLLM
 (``VLLM_NEURON_SCHED_DISABLE=1``) and our platform can only be compared across
 processes. The child prints one JSON line with token ids (and logprobs).
+Results are kept for the life of the calling process: the same prompts,
+sampling, engine and environment give the same tokens, so test modules that
+ask for the same oracle start one engine between them.
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -12,6 +16,7 @@ import sys
 from typing import Any
 
 _MARKER = "NEURON_SCHED_RESULT:"
+_results: dict[str, list[dict[str, Any]]] = {}
 
 
 def generate_in_subprocess(
@@ -33,13 +38,24 @@ def generate_in_subprocess(
         "sampling": sampling,
         "engine_kwargs": engine_kwargs or {},
     }
+    full_env = {**os.environ, **(env or {})}
+    key = json.dumps(
+        [spec, sorted((k, v) for k, v in full_env.items() if k.startswith("VLLM"))],
+        sort_keys=True,
+    )
+    if key not in _results:
+        _results[key] = _run(spec, full_env, timeout_s)
+    return copy.deepcopy(_results[key])
+
+
+def _run(spec: dict[str, Any], env: dict[str, str], timeout_s: float) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", __name__],
         input=json.dumps(spec),
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, **(env or {})},
+        env=env,
     )
     for line in proc.stdout.splitlines():
         if line.startswith(_MARKER):

@@ -237,11 +237,15 @@ class OpenAIServer:
             await asyncio.sleep(0.2)
 
     async def rank_states(self) -> list[dict[str, Any]]:
-        """Every rank's ``get_rank_state`` (needs ``VLLM_SERVER_DEV_MODE=1``)."""
+        """Every rank's ``get_rank_state``."""
+        return await self.collective_rpc("get_rank_state")
+
+    async def collective_rpc(self, method: str, args: list[Any] = ()) -> list[Any]:
+        """A worker method on every rank (needs ``VLLM_SERVER_DEV_MODE=1``)."""
         async with httpx.AsyncClient() as http:
             response = await http.post(
                 f"{self.url}/collective_rpc",
-                json={"method": "get_rank_state"},
+                json={"method": method, "args": list(args)},
                 timeout=60,
             )
         response.raise_for_status()
@@ -315,11 +319,13 @@ async def kill_mid_stream(
     kill: Callable[[list[Any]], None],
     num_streams: int = 3,
     timeout_s: float = 60,
+    sim_device_ms: float = 50,
 ) -> DeathReport:
     """Starts ``num_streams`` long greedy streams and one non-streamed
-    request, calls ``kill`` with the server's processes once every stream has
-    tokens, and reports how the requests ended and whether the server exited
-    within ``timeout_s``."""
+    request on a device slowed to ``sim_device_ms`` per execution, calls
+    ``kill`` with the server's processes once every stream has tokens, and
+    reports how the requests ended and whether the server exited within
+    ``timeout_s``. Needs ``VLLM_SERVER_DEV_MODE=1`` on the server."""
     import openai
 
     client = server.client(timeout_s=timeout_s)
@@ -331,6 +337,9 @@ async def kill_mid_stream(
         "extra_body": {"ignore_eos": True},
     }
     await client.completions.create(**{**params, "max_tokens": 4})  # warm
+    # A slow device keeps every request in flight until the death is noticed
+    # (vLLM takes seconds to notice a dead worker).
+    await server.collective_rpc("set_sim_device_ms", [sim_device_ms])
     streaming = asyncio.Barrier(num_streams + 1)
 
     async def stream() -> str:
