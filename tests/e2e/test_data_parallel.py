@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
@@ -21,21 +21,21 @@ from vllm_neuron_sched.testing.server import (
     metric_by_label,
     thread_binding,
 )
-from vllm_neuron_sched.testing.workloads import STOCK_ENV, token_prompts
+from vllm_neuron_sched.testing.workloads import (
+    SERVER_ENGINE,
+    SERVER_MAX_TOKENS,
+    SERVER_PROMPT_LENGTHS,
+    STOCK_ENV,
+    token_prompts,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 DP = 2
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "seed": 0,
-    "enforce_eager": True,
-}
-MAX_TOKENS = 16
+ENGINE = SERVER_ENGINE
+MAX_TOKENS = SERVER_MAX_TOKENS
 # The prompts and oracle engine of test_serve_tp4.py: one stock run for both.
-PROMPTS = token_prompts([5, 33, 70, 12])
+PROMPTS = token_prompts(SERVER_PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +51,8 @@ def server(
 
 @pytest.fixture(scope="module")
 def stock_tokens(checkpoint_dir: str) -> list[list[int]]:
-    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    return [
-        r["token_ids"]
-        for r in generate_in_subprocess(
-            checkpoint_dir,
-            PROMPTS,
-            sampling,
-            {**ENGINE, "max_num_seqs": 4},
-            env=STOCK_ENV,
-        )
-    ]
+    engine = {**ENGINE, "max_num_seqs": 4}
+    return greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine, STOCK_ENV)
 
 
 async def _complete(client: openai.AsyncOpenAI, prompt: list[int], **kwargs) -> list:

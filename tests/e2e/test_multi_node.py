@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     HeadlessNode,
@@ -29,22 +29,21 @@ from vllm_neuron_sched.testing.server import (
     kill_mid_stream,
     thread_binding,
 )
-from vllm_neuron_sched.testing.workloads import token_prompts
+from vllm_neuron_sched.testing.workloads import (
+    SERVER_ENGINE,
+    SERVER_MAX_TOKENS,
+    SERVER_PROMPT_LENGTHS,
+    token_prompts,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TP = 4
 NODES = 2
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "seed": 0,
-    "enforce_eager": True,
-}
-MAX_TOKENS = 16
+ENGINE = SERVER_ENGINE
+MAX_TOKENS = SERVER_MAX_TOKENS
 COLLECTIVE_TIMEOUT_S = 60
-PROMPTS = token_prompts([5, 33, 70, 12])
+PROMPTS = token_prompts(SERVER_PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +86,8 @@ def nodes(
 
 @pytest.fixture(scope="module")
 def tp1_tokens(checkpoint_dir: str) -> list[list[int]]:
-    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    return [
-        r["token_ids"]
-        for r in generate_in_subprocess(
-            checkpoint_dir, PROMPTS, sampling, {**ENGINE, "max_num_seqs": 4}
-        )
-    ]
+    engine = {**ENGINE, "max_num_seqs": 4}
+    return greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine)
 
 
 async def _complete(

@@ -39,16 +39,11 @@ from vllm_neuron_sched.testing.server import (
     kill_titled,
     thread_binding,
 )
+from vllm_neuron_sched.testing.workloads import SERVER_ENGINE
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 256,
-    "max_num_seqs": 16,
-    "seed": 0,
-    "enforce_eager": True,
-}
+ENGINE = {**SERVER_ENGINE, "max_num_seqs": 16}
 # tp -> requests in the soak (the warm-up runs a tenth more of the same mix).
 SOAK_SIZES = {1: 300, 4: 40}
 # tp -> the process killed at the end.

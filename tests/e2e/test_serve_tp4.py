@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
@@ -28,24 +28,22 @@ from vllm_neuron_sched.testing.server import (
     kill_titled,
     thread_binding,
 )
-from vllm_neuron_sched.testing.workloads import STOCK_ENV, token_prompts
+from vllm_neuron_sched.testing.workloads import (
+    SERVER_ENGINE,
+    SERVER_MAX_TOKENS,
+    SERVER_PROMPT_LENGTHS,
+    STOCK_ENV,
+    token_prompts,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TP = 4
 MODEL = SERVED_MODEL
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "seed": 0,
-    "enforce_eager": True,
-}
+ENGINE = SERVER_ENGINE
 START_TIMEOUT_S = 300
-MAX_TOKENS = 16
-# Prompt lengths cross a KV block (64 tokens) and differ, so requests finish
-# at different steps.
-PROMPT_LENGTHS = [5, 33, 70, 12]
+MAX_TOKENS = SERVER_MAX_TOKENS
+PROMPT_LENGTHS = SERVER_PROMPT_LENGTHS
 
 
 def _prompts() -> list[list[int]]:
@@ -101,20 +99,10 @@ def client(server: OpenAIServer) -> openai.AsyncOpenAI:
 @pytest.fixture(scope="module")
 def oracle_tokens(checkpoint_dir: str) -> dict[str, list[list[int]]]:
     """Greedy tokens of our platform at TP=1 and of stock vLLM CPU."""
-    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     engine = {**ENGINE, "max_num_seqs": 4}
-    runs = {
-        "tp1": {},
-        "stock": STOCK_ENV,
-    }
     return {
-        name: [
-            r["token_ids"]
-            for r in generate_in_subprocess(
-                checkpoint_dir, _prompts(), sampling, engine, env=env
-            )
-        ]
-        for name, env in runs.items()
+        name: greedy_tokens(checkpoint_dir, _prompts(), MAX_TOKENS, engine, env)
+        for name, env in {"tp1": {}, "stock": STOCK_ENV}.items()
     }
 
 

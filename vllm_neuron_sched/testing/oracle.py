@@ -73,6 +73,21 @@ def _run(spec: dict[str, Any], env: dict[str, str], timeout_s: float) -> list[di
     )
 
 
+def greedy_tokens(
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    engine_kwargs: dict[str, Any],
+    env: dict[str, str] | None = None,
+) -> list[list[int]]:
+    """Greedy token ids per prompt, ``max_tokens`` each (EOS ignored)."""
+    sampling = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+    return [
+        r["token_ids"]
+        for r in generate_in_subprocess(model, prompts, sampling, engine_kwargs, env)
+    ]
+
+
 def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]:
     """``llm.generate`` with keyword-argument sampling params, as JSON records."""
     from vllm import SamplingParams

@@ -18,6 +18,19 @@ SMALL_ENGINE: dict[str, Any] = {
     "enforce_eager": True,
 }
 STOCK_ENV = {"VLLM_NEURON_SCHED_DISABLE": "1"}  # stock vLLM CPU in a child
+
+# The OpenAI-server tests (TP=4, soak, two nodes, data parallel): one engine
+# shape, so one oracle run serves every module that compares with it.
+SERVER_ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "seed": 0,
+    "enforce_eager": True,
+}
+# Lengths cross a KV block (64 tokens) and differ: requests end at different steps.
+SERVER_PROMPT_LENGTHS = [5, 33, 70, 12]
+SERVER_MAX_TOKENS = 16
 # Prompt lengths across the 32-token chunk size and budgets that differ: five
 # requests over four sequence slots finish at different steps and later ones
 # join a running batch.
