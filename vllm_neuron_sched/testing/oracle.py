@@ -44,11 +44,13 @@ def generate_in_subprocess(
         sort_keys=True,
     )
     if key not in _results:
-        _results[key] = _run(spec, full_env, timeout_s)
+        _results[key] = _run_child(spec, full_env, timeout_s)
     return copy.deepcopy(_results[key])
 
 
-def _run(spec: dict[str, Any], env: dict[str, str], timeout_s: float) -> list[dict]:
+def _run_child(
+    spec: dict[str, Any], env: dict[str, str], timeout_s: float
+) -> list[dict[str, Any]]:
     proc = subprocess.run(
         [sys.executable, "-m", __name__],
         input=json.dumps(spec),
