@@ -22,6 +22,7 @@ from vllm_neuron_sched.testing.workloads import (
     SMALL_ENGINE,
     STOCK_ENV,
     greedy,
+    mixed_greedy,
     token_prompts,
 )
 
@@ -39,9 +40,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _greedy_params() -> list[dict[str, Any]]:
-    params = greedy(MAX_TOKENS, logprobs=NUM_LOGPROBS)
-    params[1]["prompt_logprobs"] = NUM_LOGPROBS
-    return params
+    return mixed_greedy(NUM_LOGPROBS)
 
 
 def _seeded_params() -> list[dict[str, Any]]:

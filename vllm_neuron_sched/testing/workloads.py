@@ -45,6 +45,15 @@ def token_prompts(
     return [[(stride * i + salt * n) % 900 + 10 for i in range(n)] for n in lengths]
 
 
+def mixed_greedy(num_logprobs: int = 3) -> list[dict[str, Any]]:
+    """Greedy, ``MIXED_BUDGETS`` tokens, with logprobs (and prompt logprobs
+    on the second request): the stock oracle every mixed-workload test
+    compares with, so one stock run serves them all."""
+    params = greedy(MIXED_BUDGETS, logprobs=num_logprobs)
+    params[1]["prompt_logprobs"] = num_logprobs
+    return params
+
+
 def greedy(max_tokens: list[int], **extra: Any) -> list[dict[str, Any]]:
     """Greedy ``SamplingParams`` keyword sets, one per budget, EOS ignored."""
     return [
