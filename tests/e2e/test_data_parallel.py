@@ -15,9 +15,9 @@ import pytest
 
 from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
-    SERVED_MODEL,
     OpenAIServer,
     engine_args,
+    greedy_completion,
     metric_by_label,
     thread_binding,
 )
@@ -55,23 +55,12 @@ def stock_tokens(checkpoint_dir: str) -> list[list[int]]:
     return greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine, STOCK_ENV)
 
 
-async def _complete(client: openai.AsyncOpenAI, prompt: list[int], **kwargs) -> list:
-    response = await client.completions.create(
-        model=SERVED_MODEL,
-        prompt=prompt,
-        temperature=0.0,
-        **{"max_tokens": MAX_TOKENS, **kwargs},
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    return list(response.choices[0].token_ids)
-
-
 async def test_both_replicas_serve_and_tokens_equal_stock(
     server: OpenAIServer, stock_tokens: list[list[int]]
 ) -> None:
     client = server.client()
     # Each prompt twice, all at once: enough for both replicas.
-    results = await asyncio.gather(*(_complete(client, p) for p in PROMPTS * 2))
+    results = await asyncio.gather(*(greedy_completion(client, p) for p in PROMPTS * 2))
     assert results == stock_tokens * 2
 
     text = await server.ametrics_text()
@@ -89,9 +78,9 @@ async def test_bad_request_is_400_while_others_are_served(
     server: OpenAIServer, stock_tokens: list[list[int]]
 ) -> None:
     client = server.client()
-    good = [asyncio.create_task(_complete(client, p)) for p in PROMPTS[:4]]
+    good = [asyncio.create_task(greedy_completion(client, p)) for p in PROMPTS[:4]]
     with pytest.raises(openai.BadRequestError) as error:
-        await _complete(client, PROMPTS[0], max_tokens=1000)
+        await greedy_completion(client, PROMPTS[0], max_tokens=1000)
     assert error.value.status_code == 400
     assert "max_model_len" in str(error.value)
     assert await asyncio.gather(*good) == stock_tokens[:4]

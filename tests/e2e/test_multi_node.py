@@ -16,16 +16,15 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
-    SERVED_MODEL,
     HeadlessNode,
     OpenAIServer,
     engine_args,
     free_port,
+    greedy_completion,
     kill_mid_stream,
     thread_binding,
 )
@@ -90,25 +89,6 @@ def tp1_tokens(checkpoint_dir: str) -> list[list[int]]:
     return greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine)
 
 
-async def _complete(
-    client: openai.AsyncOpenAI, prompt: list[int], stream: bool, max_tokens: int
-) -> list[int]:
-    params = {
-        "model": SERVED_MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "extra_body": {"ignore_eos": True, "return_token_ids": True},
-    }
-    if not stream:
-        response = await client.completions.create(**params)
-        return list(response.choices[0].token_ids)
-    token_ids: list[int] = []
-    async for chunk in await client.completions.create(stream=True, **params):
-        token_ids += chunk.choices[0].token_ids or []
-    return token_ids
-
-
 async def test_two_nodes_equal_tp1_and_ranks_agree(
     nodes: tuple[OpenAIServer, HeadlessNode], tp1_tokens: list[list[int]]
 ) -> None:
@@ -116,8 +96,8 @@ async def test_two_nodes_equal_tp1_and_ranks_agree(
     client = server.client()
     before = await server.ametrics()
     *results, mid_run = await asyncio.gather(
-        *(_complete(client, p, stream=False, max_tokens=MAX_TOKENS) for p in PROMPTS),
-        *(_complete(client, p, stream=True, max_tokens=MAX_TOKENS) for p in PROMPTS),
+        *(greedy_completion(client, p, stream=False) for p in PROMPTS),
+        *(greedy_completion(client, p, stream=True) for p in PROMPTS),
         server.rank_states(),
     )
     assert results[: len(PROMPTS)] == tp1_tokens

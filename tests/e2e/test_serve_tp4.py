@@ -24,6 +24,7 @@ from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
     engine_args,
+    greedy_completion,
     kill_mid_stream,
     kill_titled,
     thread_binding,
@@ -68,29 +69,6 @@ def server(
         yield server
 
 
-async def _complete(
-    client: openai.AsyncOpenAI, prompt: list[int], stream: bool, **kwargs: Any
-) -> list[int]:
-    """Greedy token ids of one completion, streamed or not."""
-    extra_body = {"ignore_eos": True, "return_token_ids": True}
-    extra_body.update(kwargs.pop("extra_body", {}))
-    params = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "extra_body": extra_body,
-        **kwargs,
-    }
-    if not stream:
-        response = await client.completions.create(**params)
-        return list(response.choices[0].token_ids)
-    token_ids: list[int] = []
-    async for chunk in await client.completions.create(stream=True, **params):
-        token_ids += chunk.choices[0].token_ids or []
-    return token_ids
-
-
 @pytest.fixture
 def client(server: OpenAIServer) -> openai.AsyncOpenAI:
     return server.client()
@@ -112,11 +90,11 @@ async def test_concurrent_completions_equal_tp1_and_stock_vllm(
     prompts = _prompts()
     results = await asyncio.gather(
         *(
-            _complete(client, prompt, stream=i % 2 == 0)
+            greedy_completion(client, prompt, stream=i % 2 == 0)
             for i, prompt in enumerate(prompts)
         ),
         *(
-            _complete(client, prompt, stream=i % 2 == 1)
+            greedy_completion(client, prompt, stream=i % 2 == 1)
             for i, prompt in enumerate(prompts)
         ),
     )
@@ -158,7 +136,7 @@ async def test_ranks_agree_and_futures_stay_bounded(
     before = await server.rank_states()
     prompts = [prompt[:8] for prompt in _prompts()]
     *_, mid_run = await asyncio.gather(
-        *(_complete(client, p, stream=True, max_tokens=64) for p in prompts),
+        *(greedy_completion(client, p, stream=True, max_tokens=64) for p in prompts),
         server.rank_states(),  # mid-run when the server is quick enough
     )
     after = await server.rank_states()
@@ -205,7 +183,7 @@ async def test_disconnect_aborts_at_once_and_frees_its_blocks(
         sys.executable, "-c", _DISCONNECTING_CLIENT, server.url, json.dumps(body)
     )
     assert await asyncio.wait_for(proc.wait(), timeout=120) == 0
-    other = await _complete(client, _prompts()[0], stream=True)
+    other = await greedy_completion(client, _prompts()[0], stream=True)
     assert len(other) == MAX_TOKENS
 
     after = await server.wait_idle()
@@ -237,7 +215,7 @@ async def test_disconnect_aborts_at_once_and_frees_its_blocks(
 async def test_bad_request_is_400_while_others_are_served(
     client: openai.AsyncOpenAI, kwargs: dict[str, Any], message: str
 ) -> None:
-    good = asyncio.create_task(_complete(client, _prompts()[1], stream=True))
+    good = asyncio.create_task(greedy_completion(client, _prompts()[1], stream=True))
     params = {
         "model": MODEL,
         "prompt": _prompts()[0],
@@ -256,13 +234,13 @@ async def test_metrics_count_async_steps_and_dead_tokens(
     server: OpenAIServer, client: openai.AsyncOpenAI
 ) -> None:
     prompt = _prompts()[1]
-    greedy = await _complete(client, prompt, stream=False)
+    greedy = await greedy_completion(client, prompt, stream=False)
     # A token that greedy decoding produces first at a position >= 3: a
     # request that stops on it ends mid-run, with the next step scheduled.
     stop_at = next(i for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
     before = await server.ametrics()
 
-    stopped = await _complete(
+    stopped = await greedy_completion(
         client, prompt, stream=False, extra_body={"stop_token_ids": [greedy[stop_at]]}
     )
     assert stopped == greedy[: stop_at + 1]

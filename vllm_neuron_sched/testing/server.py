@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from vllm_neuron_sched.metrics import METRICS_DIR_ENV
+from vllm_neuron_sched.testing.workloads import SERVER_MAX_TOKENS
 
 SERVED_MODEL = "tiny-llama"
 
@@ -267,6 +268,35 @@ class OpenAIServer:
             with contextlib.suppress(psutil.NoSuchProcess):
                 total += process.memory_info().rss
         return total
+
+
+async def greedy_completion(
+    client: Any,
+    prompt: list[int],
+    stream: bool = False,
+    max_tokens: int = SERVER_MAX_TOKENS,
+    **params: Any,
+) -> list[int]:
+    """Greedy token ids of one completion from an ``openai`` client, streamed
+    or not (EOS ignored); ``params`` go to ``completions.create``, their
+    ``extra_body`` merged into ours."""
+    extra_body = {"ignore_eos": True, "return_token_ids": True}
+    extra_body.update(params.pop("extra_body", {}))
+    request = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "extra_body": extra_body,
+        **params,
+    }
+    if not stream:
+        response = await client.completions.create(**request)
+        return list(response.choices[0].token_ids)
+    token_ids: list[int] = []
+    async for chunk in await client.completions.create(stream=True, **request):
+        token_ids += chunk.choices[0].token_ids or []
+    return token_ids
 
 
 def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
