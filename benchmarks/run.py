@@ -209,6 +209,7 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
         "async_over_stock": {},
         "async_over_stock_async": {},
         "async_step_fraction": {},
+        "async_host_waits": {},
         "dead_tokens_per_request": {},
         "ttft_extra_steps": {},
         "steady_async_over": {},
@@ -254,6 +255,12 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
                         if other != "async"
                     }
                 ratios["async_step_fraction"][key] = _step_fraction(reps["async"])
+                ratios["async_host_waits"][key] = spread(
+                    [
+                        (r.get("sched_stats") or {}).get("host_waits")
+                        for r in reps["async"]
+                    ]
+                )
                 ratios["dead_tokens_per_request"][key] = _dead_tokens(reps["async"])
                 if "sync" in reps:
                     ratios["ttft_extra_steps"][key] = spread(
@@ -274,8 +281,9 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
 
 
 def _step_fraction(repeats: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Decode steps fed by the previous step's device future, over all decode
-    steps (async + sync fallback; prefill steps are neither)."""
+    """Async steps (decode rows fed from the device token table, no host
+    wait) over async + fallback steps (the host needed a device result the
+    engine had not read): structural counts, the same on every backend."""
     fractions = []
     for rep in repeats:
         stats = rep.get("sched_stats")

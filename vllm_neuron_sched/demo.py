@@ -8,10 +8,11 @@ Makes the tiny checkpoint once (random weights, cached under
 ``~/.cache/vllm_neuron_sched``), runs ``LLM.generate`` through our platform in
 one process per mode (engine logs go to a file, the table says where) and
 prints output tokens/s, time per output token (wall time over the longest
-output), the speed-up, the async steps among the decode steps, and the dead
-tokens. Half of the requests run
-greedy to ``max_tokens``; the other half sample until one of a few stop
-tokens, the way requests end on EOS, so run-ahead leaves dead tokens.
+output), the speed-up, the async flow's counters and the dead tokens, with
+the load average (figures from a busy machine are not comparable). Half of
+the requests run greedy to ``max_tokens``; the other half sample until one
+of a few stop tokens, the way requests end on EOS, so run-ahead leaves dead
+tokens.
 """
 
 import argparse
@@ -23,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from vllm_neuron_sched import envs
+from vllm_neuron_sched.diagnostics import error_lines
 
 DEFAULT_CHECKPOINT = Path.home() / ".cache" / "vllm_neuron_sched" / "tiny-llama"
 _RESULT = "DEMO_RESULT:"
@@ -91,23 +95,42 @@ def _spawn(mode: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
     for line in proc.stdout.splitlines():
         if line.startswith(_RESULT):
             return json.loads(line[len(_RESULT) :])
-    raise SystemExit(f"the {mode} run failed (exit {proc.returncode}); see {log}")
+    cause = error_lines(log.read_text() + proc.stdout, max_chars=2000)
+    raise SystemExit(
+        f"the {mode} run failed (exit {proc.returncode}):\n{cause}\n(whole log: {log})"
+    )
+
+
+_LEGEND = """\
+async: steps whose decode rows took their input ids from the device token table,
+  with no host wait; fallback: steps whose host needed a device result before the
+  engine had read it (every step in sync mode, prompt chunks included); prefill:
+  prompt-chunk steps; host waits: such reads, in steps or not."""
 
 
 def _table(results: dict[str, dict[str, Any]], log_dir: Path) -> str:
     rows = [
-        ("mode", "tok/s", "TPOT ms", "async steps", "fallback", "dead tokens"),
+        (
+            "mode",
+            "tok/s",
+            "TPOT ms",
+            "async",
+            "fallback",
+            "prefill",
+            "host waits",
+            "dead tokens",
+        ),
     ]
     for mode, r in results.items():
-        decode = r["async_steps"] + r["sync_fallback_steps"]
-        fraction = f"{r['async_steps']}/{decode}" if decode else "-"
         rows.append(
             (
                 mode,
                 f"{r['tok_s']:.0f}",
                 f"{r['tpot_ms']:.2f}",
-                fraction,
+                str(r["async_steps"]),
                 str(r["sync_fallback_steps"]),
+                str(r["prefill_steps"]),
+                str(r["host_waits"]),
                 f"{r['dead_tokens']} ({r['stopped']} stopped)",
             )
         )
@@ -116,6 +139,12 @@ def _table(results: dict[str, dict[str, Any]], log_dir: Path) -> str:
     if {"sync", "async"} <= results.keys():
         speedup = results["async"]["tok_s"] / results["sync"]["tok_s"]
         lines.append(f"async over sync: {speedup:.2f}x output tokens/s")
+    lines.append(_LEGEND)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines.append(
+        f"load average {load} (1, 5, 15 min) on {os.cpu_count()} cores: figures "
+        "from a machine busy with other work are not comparable"
+    )
     lines.append(f"engine logs: {log_dir}")
     return "\n".join(lines)
 
@@ -131,6 +160,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
+    try:
+        envs.check_values()  # a malformed value fails here, not in a child
+    except ValueError as error:
+        raise SystemExit(f"vllm_neuron_sched.demo: {error}") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     VLLM_NEURON_SCHED_METRICS_DIR: str = ""
     VLLM_NEURON_SCHED_FAULT_AT_EXECUTION: int = 0
 
-DEVICE_KINDS = ("auto", "thread", "inline", "neuron")
+# The device backends (runtime/backends.py registers one class per kind but
+# "auto"). A port to real hardware adds its kind here and there.
+DEVICE_KINDS = ("auto", "thread", "inline")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -79,9 +81,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1": do not activate the platform; stock vLLM CPU runs (the tests' oracle).
     "VLLM_NEURON_SCHED_DISABLE": _bool("VLLM_NEURON_SCHED_DISABLE", "0"),
     # Device runtime backend: "thread" (a device thread per worker), "inline"
-    # (runs at enqueue on the worker's thread), "neuron" (torch-neuronx), or
-    # "auto": inline when the device is the worker's own cores, thread when a
-    # simulated device latency is set (runtime/backends.py says why).
+    # (runs at enqueue on the worker's thread), or "auto": inline when the
+    # device is the worker's own cores, thread when a simulated device
+    # latency is set (runtime/backends.py says why).
     "VLLM_NEURON_SCHED_DEVICE": _choice(
         "VLLM_NEURON_SCHED_DEVICE", "auto", DEVICE_KINDS
     ),

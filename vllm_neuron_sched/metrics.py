@@ -33,17 +33,22 @@ METRICS_DIR_ENV = "VLLM_NEURON_SCHED_METRICS_DIR"
 COUNTERS: dict[str, tuple[str, str]] = {
     "async_steps": (
         "vllm:neuron_sched_async_steps",
-        "Decode steps whose input ids were the previous step's sampled-token "
-        "future, without a host round trip.",
+        "Steps whose decode rows took their input ids from the device token "
+        "table and whose host needed no device result the engine had not read.",
     ),
     "sync_fallback_steps": (
         "vllm:neuron_sched_sync_fallback_steps",
-        "Decode steps that broke the async flow: host-built inputs (request set "
-        "changed) or a remapped future (same set, new order).",
+        "Steps whose host needed a device result before the engine had read it "
+        "(every step in sync mode; prefill steps included).",
     ),
     "prefill_steps": (
         "vllm:neuron_sched_prefill_steps",
         "Prompt-chunk steps (host inputs by nature).",
+    ),
+    "host_waits": (
+        "vllm:neuron_sched_host_waits",
+        "Reads of a device result ahead of the engine, in a step or an RPC that "
+        "drains the flow; counted by structure, whether or not the device was done.",
     ),
     "dead_tokens": (
         "vllm:neuron_sched_dead_tokens",

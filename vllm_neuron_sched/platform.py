@@ -92,8 +92,6 @@ def check_environment(vllm_config: "VllmConfig") -> None:
     """Every VLLM_NEURON_SCHED_* value, at start-up in the front end: a value
     that cannot be parsed, or that cannot work with this configuration, is
     refused here with its name, not later inside a worker."""
-    import importlib.util
-
     from vllm_neuron_sched.core.limits import parse_pooling_shapes
     from vllm_neuron_sched.worker.buckets import parse_decode_buckets
 
@@ -104,14 +102,6 @@ def check_environment(vllm_config: "VllmConfig") -> None:
         max_model_len = vllm_config.model_config.max_model_len
         parse_pooling_shapes(
             envs.VLLM_NEURON_SCHED_POOLING_SHAPES, max_model_len, max_num_seqs
-        )
-    if (
-        envs.VLLM_NEURON_SCHED_DEVICE == "neuron"
-        and importlib.util.find_spec("torch_neuronx") is None
-    ):
-        raise ValueError(
-            "VLLM_NEURON_SCHED_DEVICE=neuron needs torch-neuronx (`pip install "
-            "torch-neuronx` with the AWS Neuron SDK); choose auto, thread or inline"
         )
 
 

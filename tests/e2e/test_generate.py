@@ -191,11 +191,15 @@ def test_churning_batch_stays_async_and_matches_stock(
     ours = generate(llm, prompts, params)
     after = _stats(llm)
     assert [o["token_ids"] for o in ours] == [o["token_ids"] for o in stock_churn]
-    num_async = after["async_steps"] - before["async_steps"]
-    num_fallback = after["sync_fallback_steps"] - before["sync_fallback_steps"]
-    num_prefill = after["prefill_steps"] - before["prefill_steps"]
-    assert num_prefill >= len(prompts)
-    assert num_async >= 0.95 * (num_async + num_fallback), (before, after)
+    delta = {key: after[key] - before[key] for key in after}
+    # Every request's prompt has a step of its own; each token after the
+    # first comes from a decode step fed from the token table, and the
+    # host never got ahead of the engine's reads (counted by structure:
+    # the inline device is done at enqueue, and that changes nothing here).
+    assert delta["prefill_steps"] >= len(prompts), delta
+    assert delta["async_steps"] >= max(p["max_tokens"] for p in params) - 1, delta
+    assert delta["sync_fallback_steps"] == 0, delta
+    assert delta["host_waits"] == 0, delta
 
 
 def test_sync_mode_counts_every_sampling_step_as_a_fallback(
@@ -212,6 +216,7 @@ def test_sync_mode_counts_every_sampling_step_as_a_fallback(
         "async_steps": 0,
         "sync_fallback_steps": 8,
         "prefill_steps": 1,
+        "host_waits": 8,
         "dead_tokens": 0,
     }
 

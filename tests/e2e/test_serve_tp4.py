@@ -263,6 +263,7 @@ async def test_metrics_count_async_steps_and_dead_tokens(
     assert delta("prefill_steps") >= 1
     assert delta("async_steps") >= stop_at
     assert delta("sync_fallback_steps") == 0
+    assert delta("host_waits") == 0
 
 
 async def test_killed_engine_core_fails_requests_and_server_exits(

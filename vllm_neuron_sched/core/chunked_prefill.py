@@ -25,8 +25,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.request import RequestStatus
 
 from vllm_neuron_sched import envs
+from vllm_neuron_sched.core.errors import ErrorFinishMixin
 from vllm_neuron_sched.core.limits import RequestLimits
-from vllm_neuron_sched.core.rejection import RejectionMixin
 from vllm_neuron_sched.core.step_view import restricted_view
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class StepPlan:
     prefill: "Request | None" = None
 
 
-class ChunkedPrefillMixin(RejectionMixin):
+class ChunkedPrefillMixin(ErrorFinishMixin):
     """Policy over vLLM's ``Scheduler`` or ``AsyncScheduler`` (listed after it)."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -9,8 +9,8 @@ for the scheduler to run ahead on.
 
 from typing import TYPE_CHECKING
 
+from vllm_neuron_sched.core.errors import ErrorFinishMixin
 from vllm_neuron_sched.core.limits import RequestLimits
-from vllm_neuron_sched.core.rejection import RejectionMixin
 from vllm_neuron_sched.core.step_view import restricted_view
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class PoolingMixin(RejectionMixin):
+class PoolingMixin(ErrorFinishMixin):
     """Policy over vLLM's ``Scheduler`` (listed after it)."""
 
     def __init__(self, *args, **kwargs) -> None:

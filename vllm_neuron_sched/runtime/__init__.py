@@ -3,7 +3,6 @@ async mode), reproduced on CPU. See docs/design.md, section 2."""
 
 from vllm_neuron_sched.runtime.backends import (
     InlineDevice,
-    NeuronDevice,
     ThreadDevice,
     make_device,
 )
@@ -12,6 +11,7 @@ from vllm_neuron_sched.runtime.future import (
     DeviceExecutionError,
     DeviceFuture,
     DeviceShutdownError,
+    DeviceStateError,
 )
 from vllm_neuron_sched.runtime.materializer import Materializer
 
@@ -20,9 +20,9 @@ __all__ = [
     "DeviceExecutionError",
     "DeviceFuture",
     "DeviceShutdownError",
+    "DeviceStateError",
     "InlineDevice",
     "Materializer",
-    "NeuronDevice",
     "ThreadDevice",
     "make_device",
 ]

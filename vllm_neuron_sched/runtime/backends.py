@@ -1,6 +1,8 @@
-"""Device backends (thread, inline, neuron) and ``make_device``, which picks one."""
+"""Device backends (thread, inline) and ``make_device``, which picks one.
 
-import importlib
+A port to real hardware adds a backend here: docs/design.md, section 9, says
+what it must implement and which tests to run against it."""
+
 import queue
 import threading
 
@@ -88,8 +90,10 @@ class ThreadDevice(Device):
 
 
 class InlineDevice(Device):
-    """Runs each execution at enqueue time on the caller thread: the synchronous
-    baseline. Errors still surface only at ``result()``, as on a real device."""
+    """Runs each execution at enqueue time, on the caller's thread: the CPU
+    default, where the device is the worker's own cores. The futures and the
+    flow are the same as on any other backend (only their timing differs), and
+    errors still surface only at ``result()``, as on a real device."""
 
     name = "inline"
     runs_at_enqueue = True
@@ -112,33 +116,10 @@ class InlineDevice(Device):
             self._execute(execution)
 
 
-class NeuronDevice(ThreadDevice):
-    """AWS Neuron via torch-neuronx, imported only when this backend is chosen.
-
-    torch-neuronx's async mode already returns future tensors from compiled
-    graph calls, so this adapter adds nothing to ThreadDevice's contract: its
-    device thread orders executions and carries errors back. Untested here
-    (needs Neuron hardware and SDK).
-    """
-
-    name = "neuron"
-
-    def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
-        try:
-            importlib.import_module("torch_neuronx")
-        except ImportError as exc:
-            raise RuntimeError(
-                "VLLM_NEURON_SCHED_DEVICE=neuron needs torch-neuronx: "
-                "`pip install torch-neuronx` (with the AWS Neuron SDK), or choose "
-                "VLLM_NEURON_SCHED_DEVICE=thread|inline"
-            ) from exc
-        super().__init__(label, sim_device_ms)
-
-
-_BACKENDS: dict[str, type[Device]] = {
+# Every backend kind but "auto" (envs.DEVICE_KINDS lists the same kinds).
+DEVICE_BACKENDS: dict[str, type[Device]] = {
     "thread": ThreadDevice,
     "inline": InlineDevice,
-    "neuron": NeuronDevice,
 }
 
 
@@ -163,10 +144,11 @@ def make_device(
         sim_device_ms = envs.VLLM_NEURON_SCHED_SIM_DEVICE_MS
     if kind == "auto":
         kind = "thread" if sim_device_ms > 0 else "inline"
-    backend = _BACKENDS.get(kind)
+    backend = DEVICE_BACKENDS.get(kind)
     if backend is None:
         raise ValueError(
-            f"unknown device kind {kind!r}; valid kinds: auto, {', '.join(_BACKENDS)}"
+            f"unknown device kind {kind!r}; valid kinds: "
+            f"auto, {', '.join(DEVICE_BACKENDS)}"
         )
     if sim_device_ms < 0:
         raise ValueError(f"sim_device_ms must be >= 0, got {sim_device_ms}")

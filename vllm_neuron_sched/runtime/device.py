@@ -13,6 +13,7 @@ from vllm_neuron_sched import envs
 from vllm_neuron_sched.runtime.future import (
     DeviceExecutionError,
     DeviceFuture,
+    DeviceStateError,
     resolve_futures,
 )
 
@@ -30,6 +31,10 @@ class Execution:
     kwargs: dict[str, Any]  # same
     future: DeviceFuture[Any]
     tag: int = 0  # the host's ``Device.tag`` at enqueue (the worker's step)
+    number: int = 0  # 1-based, in enqueue (and so execution) order
+    # True: later executions rely on what this one writes (KV zeroing, the
+    # token table's growth); its failure leaves the device state unknown.
+    updates_state: bool = False
 
 
 class Device(ABC):
@@ -37,6 +42,9 @@ class Device(ABC):
 
     Executions run one at a time in enqueue order, each after its input futures
     resolve; outputs are futures, and a failure surfaces at their ``result()``.
+    A failed *state update* (``enqueue_state_update``) fails every later
+    execution with ``DeviceStateError``, so no result computed on top of an
+    unknown state reaches anyone.
     """
 
     name: str = "device"  # backend kind: "thread" | "inline" | "neuron"
@@ -52,6 +60,9 @@ class Device(ABC):
         self._busy_s = 0.0
         # Reliability tests: this execution (1-based) raises; 0 = never.
         self.fault_at_execution = envs.VLLM_NEURON_SCHED_FAULT_AT_EXECUTION
+        self._num_enqueued = 0
+        # The failure of a state update: set once, on the executing thread.
+        self._state_failure: BaseException | None = None
         # Set by the host before it enqueues; carried by each execution.
         self.tag = 0
         # Called after each execution on the thread that ran it, with its
@@ -63,9 +74,34 @@ class Device(ABC):
     ) -> DeviceFuture[T]:
         """Queues ``fn(*args, **kwargs)``; futures among the inputs are replaced
         by their results on the device side, never by a host read here."""
+        return self._enqueue(fn, args, kwargs, updates_state=False)
+
+    def enqueue_state_update(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queues an execution whose writes later executions rely on. Nobody
+        reads its output: if it fails, every later execution fails instead,
+        with ``DeviceStateError`` chained to this failure."""
+        self._enqueue(fn, args, {}, updates_state=True)
+
+    def fail_execution_after(self, num_executions: int) -> None:
+        """Reliability tests: the ``num_executions``-th execution enqueued from
+        now raises instead of running (1: the next one)."""
+        with self._stats_lock:
+            self.fault_at_execution = self._num_enqueued + num_executions
+
+    def _enqueue(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        updates_state: bool,
+    ) -> DeviceFuture[T]:
         fn_name = getattr(fn, "__qualname__", repr(fn))
         future: DeviceFuture[T] = DeviceFuture(f"{self.label}:{fn_name}")
-        self._submit(Execution(fn, args, kwargs, future, self.tag))
+        with self._stats_lock:
+            self._num_enqueued += 1
+            number = self._num_enqueued
+        execution = Execution(fn, args, kwargs, future, self.tag, number, updates_state)
+        self._submit(execution)
         return future
 
     @abstractmethod
@@ -98,24 +134,48 @@ class Device(ABC):
         """Runs one execution on the calling thread and completes its future;
         an exception goes into the future, never up the device thread."""
         future = execution.future
+        if self._state_failure is not None:
+            error = DeviceStateError(
+                f"{future._label} not run: the device state is unknown since a "
+                f"state update failed ({self._state_failure!r})"
+            )
+            error.__cause__ = self._state_failure
+            future._set_exception(error)
+            return
         try:
             args = resolve_futures(execution.args)
             kwargs = resolve_futures(execution.kwargs)
+        except DeviceStateError as unknown_state:
+            future._set_exception(unknown_state)
+            return
         except DeviceExecutionError as upstream:
-            error = DeviceExecutionError(f"an input of {future._label} failed upstream")
+            root: BaseException = upstream
+            while root.__cause__ is not None:
+                root = root.__cause__
+            error = DeviceExecutionError(
+                f"an input of {future._label} failed upstream: {root!r}"
+            )
             error.__cause__ = upstream
             future._set_exception(error)
             return
         start = time.perf_counter()
         try:
-            if self._num_executions + 1 == self.fault_at_execution:
+            if execution.number == self.fault_at_execution:
                 raise RuntimeError(
-                    f"injected device fault at execution {self.fault_at_execution} "
-                    "(VLLM_NEURON_SCHED_FAULT_AT_EXECUTION)"
+                    f"injected device fault at execution {self.fault_at_execution}"
                 )
             value = execution.fn(*args, **kwargs)
         except Exception as exc:
             logger.debug("Device %s: %s raised %r", self.label, future._label, exc)
+            if execution.updates_state:
+                logger.error(
+                    "Device %s: state update %s failed; every later execution "
+                    "will fail",
+                    self.label,
+                    future._label,
+                    exc_info=exc,
+                )
+                self._state_failure = exc
             self._hold_and_record(execution, start)
             future._set_exception(exc)
         else:

@@ -16,6 +16,12 @@ class DeviceExecutionError(RuntimeError):
     (with its traceback), so the host sees where it really went wrong."""
 
 
+class DeviceStateError(DeviceExecutionError):
+    """An execution that updates state later executions rely on (the KV
+    cache, the token table) failed, so the device state is unknown: every
+    later execution fails with this error, chained to the first failure."""
+
+
 class DeviceShutdownError(RuntimeError):
     """The device was shut down: before this execution completed, or before an
     enqueue."""
@@ -55,6 +61,8 @@ class DeviceFuture(Generic[T]):
         chained from the original exception."""
         if not self._is_done.wait(timeout):
             raise TimeoutError(f"{self._label} not done after {timeout} s")
+        if isinstance(self._exception, DeviceStateError):
+            raise self._exception
         if self._exception is not None:
             raise DeviceExecutionError(
                 f"{self._label} failed: {self._exception!r}"

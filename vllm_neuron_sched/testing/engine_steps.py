@@ -14,7 +14,7 @@ Plugin authors can reuse all of this with their own scheduler and worker.
 """
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -174,9 +174,13 @@ class EngineStepper:
     # --- driving ---------------------------------------------------------
 
     def run(
-        self, requests: Sequence[Req], max_steps: int = 200
+        self,
+        requests: Sequence[Req],
+        max_steps: int = 200,
+        before_step: Mapping[int, Callable[[], None]] | None = None,
     ) -> tuple[list[Row], Client]:
-        """Adds, aborts and steps until every request has finished."""
+        """Adds, aborts and steps until every request has finished;
+        ``before_step[i]`` runs before engine call i, after its arrivals."""
         client = Client()
         rows: list[Row] = []
         base = self.counters()
@@ -188,6 +192,8 @@ class EngineStepper:
                 if req.abort_at == step:
                     self.engine.abort_request([req.req_id], internal=False)
                     pending.discard(req.req_id)
+            if before_step and step in before_step:
+                before_step[step]()
             if not pending and not self.engine.has_unfinished_requests():
                 break
             self._scheduled.clear()
@@ -226,6 +232,10 @@ class EngineStepper:
         self.engine.add_request(
             req.req_id, {"prompt_token_ids": req.prompt_token_ids()}, params
         )
+
+    def inject_device_fault(self, num_executions: int = 1) -> None:
+        """The ``num_executions``-th device execution enqueued from now fails."""
+        self.core.collective_rpc("inject_device_fault", args=(num_executions,))
 
     def counters(self) -> dict[str, int]:
         """The worker's async counters ({} for a worker without them)."""

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from typing import Any
 
+from vllm_neuron_sched.diagnostics import error_lines
+
 _MARKER = "NEURON_SCHED_RESULT:"
 _results: dict[str, list[dict[str, Any]]] = {}
 
@@ -62,15 +64,9 @@ def _run_child(
     for line in proc.stdout.splitlines():
         if line.startswith(_MARKER):
             return json.loads(line[len(_MARKER) :])
-    # The root cause can sit far above the tail (shutdown logs follow it).
-    error_lines = dict.fromkeys(
-        line.strip()
-        for line in (proc.stdout + proc.stderr).splitlines()
-        if "Error" in line
-    )
     raise RuntimeError(
         f"generation subprocess failed (rc {proc.returncode}):\n"
-        + "\n".join(error_lines)[-4000:]
+        + error_lines(proc.stdout + proc.stderr)
         + f"\n--- stderr tail ---\n{proc.stderr[-6000:]}"
     )
 

@@ -202,7 +202,11 @@ def make_request(
     eos_token_id: int | None = None,
     stop_token_ids: list[int] | None = None,
     vocab_size: int = 1024,
+    prompt: list[int] | None = None,
+    block_size: int | None = None,
 ) -> Request:
+    """``block_size``: hash the request's blocks, for a prefix-caching
+    scheduler of that block size (the engine core does this for real ones)."""
     from vllm.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -210,8 +214,16 @@ def make_request(
     )
     if eos_token_id is not None:
         params.update_from_generation_config({}, eos_token_id)
-    prompt = [fake_token(request_id, -1 - i, vocab_size) for i in range(prompt_len)]
-    return Request(request_id, prompt, params, None)
+    if prompt is None:
+        prompt = [fake_token(request_id, -1 - i, vocab_size) for i in range(prompt_len)]
+    hasher = None
+    if block_size is not None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(block_size, sha256)
+    return Request(request_id, prompt, params, None, block_hasher=hasher)
 
 
 def build_scheduler(
@@ -225,6 +237,7 @@ def build_scheduler(
     block_size: int = 16,
     max_model_len: int = 256,
     runner: str = "auto",
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
     """A scheduler over a fake KV cache of ``num_blocks`` blocks, no engine."""
     import torch
@@ -254,7 +267,9 @@ def build_scheduler(
             async_scheduling=async_scheduling,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching
+        ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(

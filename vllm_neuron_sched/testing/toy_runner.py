@@ -27,6 +27,10 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
+from vllm_neuron_sched.platform import (
+    ASYNC_CHUNKED_PREFILL_SCHEDULER as ASYNC_SCHEDULER,
+)
+from vllm_neuron_sched.platform import CHUNKED_PREFILL_SCHEDULER as SYNC_SCHEDULER
 from vllm_neuron_sched.worker import model_runner as model_runner_module
 from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
 
@@ -106,10 +110,17 @@ class MainThreadOnlyArray(np.ndarray):
 
 @contextlib.contextmanager
 def toy_runner(
-    is_async: bool, repeat_bias: bool = False, max_delay_s: float = 0.0
+    is_async: bool,
+    repeat_bias: bool = False,
+    max_delay_s: float = 0.0,
+    scheduler_cls: str | None = None,
 ) -> Iterator[NeuronSchedModelRunner]:
     """Our runner (its device from ``VLLM_NEURON_SCHED_DEVICE``) on the toy
-    model, with no distributed group and no attention backend."""
+    model, with no distributed group and no attention backend.
+    ``scheduler_cls``: the engine's scheduler, ours by default (it finishes a
+    failed step's requests alone)."""
+    if scheduler_cls is None:
+        scheduler_cls = ASYNC_SCHEDULER if is_async else SYNC_SCHEDULER
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(pipeline_parallel_size=1),
         speculative_config=None,
@@ -123,6 +134,7 @@ def toy_runner(
         cache_config=None,
         compilation_config=None,
         scheduler_config=SimpleNamespace(
+            scheduler_cls=scheduler_cls,
             async_scheduling=is_async,
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=CHUNK,
@@ -134,7 +146,9 @@ def toy_runner(
         lambda *args, **kwargs: contextlib.nullcontext(),
     )
     rank_zero = mock.patch.object(
-        model_runner_module, "get_tp_group", lambda: SimpleNamespace(rank_in_group=0)
+        model_runner_module,
+        "get_tp_group",
+        lambda: SimpleNamespace(rank_in_group=0, world_size=1),
     )
     with no_context, rank_zero:
         runner = NeuronSchedModelRunner(config, torch.device("cpu"))  # type: ignore[arg-type]
@@ -298,3 +312,36 @@ def record_timeline(
         while unread:
             read_oldest()
     return timeline.snapshot(clear=True)
+
+
+class EngineLoop:
+    """Runs scripted steps through the runner the way vLLM's engine loop
+    does: each step's output is read once ``depth`` steps are in flight (2:
+    the async batch queue; 1: sync), the oldest first. Collects each
+    request's tokens, and the requests of steps that failed on the device."""
+
+    def __init__(self, runner: NeuronSchedModelRunner, depth: int) -> None:
+        self.runner = runner
+        self.depth = depth
+        self.tokens: dict[str, list[int]] = {}
+        self.failed: dict[str, str] = {}
+        self.states: list[Any] = []  # the flow's state after each step
+        self._unread: list[ModelRunnerOutput | AsyncModelRunnerOutput] = []
+
+    def run(self, *steps: SchedulerOutput) -> None:
+        for step in steps:
+            self._unread.append(run_step(self.runner, step))
+            self.states.append(self.runner.flow.state)
+            while len(self._unread) >= self.depth:
+                self.read_oldest()
+
+    def read_oldest(self) -> ModelRunnerOutput:
+        output = read_output(self._unread.pop(0))
+        self.failed.update(getattr(output, "failed_req_ids", {}))
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            self.tokens.setdefault(req_id, []).extend(tokens)
+        return output
+
+    def flush(self) -> None:
+        while self._unread:
+            self.read_oldest()

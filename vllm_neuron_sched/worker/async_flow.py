@@ -12,18 +12,28 @@ from the host.
 
 Host state learns the tokens when a step *retires*: its output is applied to
 the request histories (placeholders filled) at the start of a later step,
-which never waits in steady state because the engine has already read that
-output (the batch queue is two deep). Each step ends in one of three states
-(the counters count them):
+once the engine has read that output (the batch queue is two deep, so it has
+by then). Each step ends in one of three states, counted by *structure*, not
+by timing, so the counts are the same on every backend however fast its
+device is:
 
-- ``ASYNC``: a step with decode rows whose main thread never waited for the
-  device (steady-state async, whatever the batch composition);
-- ``HOST_INPUTS``: prompt chunks only, whose tokens are on the host anyway;
-- ``SYNC_FALLBACK``: the main thread waited for a device result during the
-  step. Sync mode does this every step; async mode only where host state is
-  needed before the device has produced it (a step two back not read yet,
-  e.g. on a TP rank the engine never reads, or an RPC such as
-  ``get_rank_state``).
+- ``ASYNC``: the step enqueued work, its decode rows took their input ids
+  from the token table, and the host needed no device result the engine had
+  not read yet;
+- ``HOST_INPUTS``: no decode row read the table (prompt chunks, whose tokens
+  are on the host anyway) and no such result was needed;
+- ``SYNC_FALLBACK``: before the step returned to the engine, the host needed
+  a device result the engine had not read: sync mode's own output, a step
+  two back still unread, or a prompt position whose token is still only on
+  the device. Each such read is also a *host wait* (``host_waits``), as is a
+  read ahead of the engine outside a step (an RPC such as ``get_rank_state``
+  that drains the flow).
+
+"The engine has read" a step: on the output rank, its output was
+materialized (the executor's output thread, or the engine thread in-process,
+called ``get_output``); on the other TP ranks, whose outputs nobody reads,
+the batch queue's depth bounds it: when step N arrives, the engine has
+processed every step up to N - depth.
 
 Threads: the worker's main thread owns this object. The device thread only
 runs the executions the main thread enqueues; they alone read and write the
@@ -87,7 +97,7 @@ class DeviceTokens:
             new_capacity = 2 * self._capacity
             self._free = list(range(new_capacity, self._capacity, -1))
             self._capacity = new_capacity
-            device.enqueue(self._grow, new_capacity + 1)
+            device.enqueue_state_update(self._grow, new_capacity + 1)
         slot = self._slot_of[req_id] = self._free.pop()
         return slot
 
@@ -121,23 +131,25 @@ class DeviceTokens:
 
 @dataclass
 class InFlightStep:
-    """A sampling step whose tokens are not all in host state yet."""
+    """A step whose output the engine may not have read yet (and whose
+    sampled tokens are not all in host state yet)."""
 
     number: int  # the step (execute_model call) that enqueued it
-    req_ids: tuple[str, ...]
-    result: "DeviceFuture[Any]"  # the sampling execution
+    # The step's last execution: sampling, or the forward of a step whose
+    # rows all run prompt chunks that are not their last.
+    result: "DeviceFuture[Any]"
     output: "Materializer[ModelRunnerOutput]"
     # req_id -> (the request's output_token_ids, index of its placeholder);
     # the list is held here so a finished request's history is completed too.
     placeholders: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
-    def is_read(self) -> bool:
-        """The engine has its output (the output thread read it)."""
+    def is_materialized(self) -> bool:
+        """Some thread has turned the output into host data."""
         return self.output.is_materialized()
 
     def is_ready(self) -> bool:
-        """Reading the output now would not wait for the device."""
-        return self.is_read() or self.result.done()
+        """Reading the output now would not wait for the device (timing)."""
+        return self.is_materialized() or self.result.done()
 
 
 class FlowObserver:
@@ -167,21 +179,37 @@ class FlowObserver:
 
 
 class AsyncFlow:
-    def __init__(self, device: "Device", capacity: int, apply: Any) -> None:
+    """``is_output_rank``: the engine reads this worker's outputs (TP rank 0).
+    ``queue_depth``: steps the engine keeps in flight (2 with async
+    scheduling, 1 without)."""
+
+    def __init__(
+        self,
+        device: "Device",
+        capacity: int,
+        apply: Any,
+        is_output_rank: bool = True,
+        queue_depth: int = 2,
+    ) -> None:
         self.device = device
         self.tokens = DeviceTokens(capacity)
         # Applies a retired step's tokens to host state (the runner's).
         self._apply = apply
+        self.is_output_rank = is_output_rank
+        self.queue_depth = queue_depth
         self.in_flight: deque[InFlightStep] = deque()
         self.max_in_flight = 0
         self.step = 0
         self.state: StepState | None = None
-        self._has_waited = False
+        # The current step needed a device result the engine had not read.
+        self._needed_unread = False
         self._observers: list[FlowObserver] = []
         self._timed: list[FlowObserver] = []
         self.async_steps = 0
         self.sync_fallback_steps = 0
         self.prefill_steps = 0
+        # Reads of a device result ahead of the engine, in a step or not.
+        self.host_waits = 0
         # Tokens computed for requests that had already stopped.
         self.dead_tokens = 0
 
@@ -205,7 +233,8 @@ class AsyncFlow:
         counts the dead tokens of requests that stopped."""
         self.step += 1
         self.device.tag = self.step
-        self._has_waited = False
+        self.state = None
+        self._needed_unread = False
         for observer in self._observers:
             observer.step_began(self.step, scheduler_output)
         if (finished := scheduler_output.finished_req_ids) and self.in_flight:
@@ -227,54 +256,80 @@ class AsyncFlow:
         self.in_flight.append(step)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
-    def end_step(self, shape: BatchShape, is_sync: bool = False) -> StepState:
-        """``is_sync``: the step handed its host tokens back before the next
-        step (sync mode), a wait whether or not the device had finished."""
-        if self._has_waited or is_sync:
+    def end_step(self, shape: BatchShape, num_table_rows: int) -> StepState:
+        """Classifies a step that enqueued work (``num_table_rows``: decode
+        rows whose input ids the forward reads from the token table)."""
+        if self._needed_unread:
             self.state = StepState.SYNC_FALLBACK
             self.sync_fallback_steps += 1
-        elif shape is BatchShape.PREFILL:
-            self.state = StepState.HOST_INPUTS
-        else:
+        elif num_table_rows:
             self.state = StepState.ASYNC
             self.async_steps += 1
+        else:
+            self.state = StepState.HOST_INPUTS
         if shape is BatchShape.PREFILL:
             self.prefill_steps += 1
         return self.state
 
     def retire(self, keep_newest: bool = False) -> None:
         """Applies steps to host state, oldest first. Steps before the newest
-        are read even if that waits (the engine has read them by now, except
-        on TP ranks whose outputs nobody reads); with ``keep_newest`` the
-        newest only once the engine has read it, so two steps are in flight
-        as the batch queue has them."""
+        are read even if the engine has not read them (a host wait; with the
+        batch queue it always has); with ``keep_newest`` the newest only once
+        the engine has read it, so two steps are in flight as the batch queue
+        has them."""
         while self.in_flight:
             step = self.in_flight[0]
-            if keep_newest and len(self.in_flight) == 1 and not step.is_read():
+            if keep_newest and len(self.in_flight) == 1 and not self.is_read(step):
                 return
-            self.wait_for(step)
-            self.in_flight.popleft()
-            self._apply(step)
-            for observer in self._observers:
-                observer.retired(step)
+            self._retire_oldest()
 
-    def wait_for(self, step: InFlightStep) -> "ModelRunnerOutput":
-        """The step's output on the main thread; a wait counts against the
-        current step."""
-        if step.is_ready():
+    def retire_ready(self) -> None:
+        """Applies the steps whose device results are there already: in a
+        step that enqueues nothing, so an idle worker holds no step it need
+        not. Nothing needs these results now, so it is no host wait."""
+        while self.in_flight and self.in_flight[0].is_ready():
+            self._retire_oldest(is_needed=False)
+
+    def drain(self) -> None:
+        """Every step into host state, outside a step (an RPC): a read ahead
+        of the engine counts as a host wait, not against any step."""
+        self.retire()
+        self._needed_unread = False
+
+    def is_read(self, step: InFlightStep) -> bool:
+        """The engine has this step's output (see the module docstring)."""
+        if self.is_output_rank:
+            return step.is_materialized()
+        return step.number <= self.step - self.queue_depth
+
+    def read(self, step: InFlightStep, is_needed: bool = True) -> "ModelRunnerOutput":
+        """The step's output on the main thread. Needed ahead of the engine,
+        it is a host wait, whether or not the device happens to be done."""
+        if is_needed and not self.is_read(step):
+            self.host_waits += 1
+            self._needed_unread = True
+        if not self._timed or step.is_ready():
             return step.output.get()
-        self._has_waited = True
         start = time.perf_counter()
         try:
             return step.output.get()
         finally:
             self._report_wait(start)
 
+    def _retire_oldest(self, is_needed: bool = True) -> None:
+        step = self.in_flight[0]
+        self.read(step, is_needed)
+        self.in_flight.popleft()
+        self._apply(step)
+        for observer in self._observers:
+            observer.retired(step)
+
     def stats(self) -> dict[str, int]:
         return {
             "async_steps": self.async_steps,
             "sync_fallback_steps": self.sync_fallback_steps,
             "prefill_steps": self.prefill_steps,
+            "host_waits": self.host_waits,
             "dead_tokens": self.dead_tokens,
         }
 

@@ -72,6 +72,12 @@ class StepInputs:
         return len(self.req_ids)
 
     @property
+    def num_table_rows(self) -> int:
+        """Decode rows whose input id the forward reads from the token table."""
+        positions = self.device_token_positions
+        return 0 if positions is None else int(positions.shape[0])
+
+    @property
     def has_samples(self) -> bool:
         return bool(self.is_sampled.any())
 

@@ -116,7 +116,7 @@ class KVCacheMixin:
         """Zeroes freshly allocated blocks on the device, after every earlier
         execution (one may still write the blocks' previous owner's KV)."""
         index = torch.tensor(block_ids, dtype=torch.int64)
-        self.accelerator.enqueue(_zero_blocks, list(self.kv_caches), index)
+        self.accelerator.enqueue_state_update(_zero_blocks, list(self.kv_caches), index)
 
     def warming_up_model(self) -> None:
         """Compiles the model for its general shape before serving (the CPU

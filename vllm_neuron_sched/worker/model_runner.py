@@ -3,8 +3,13 @@
 One step, on the worker's main thread::
 
     execute_model:  begin step (retire what the engine has read) -> update
-                    states -> build inputs -> enqueue forward
+                    states -> build inputs -> enqueue forward -> None
     sample_tokens:  enqueue sampling -> placeholders -> output (async or not)
+
+Every step that runs anything returns its output from ``sample_tokens``,
+also one whose rows all run prompt chunks that are not their last (it samples
+nothing, and its output says whether its forward failed): no device failure
+goes unread.
 
 The forward and the sampler run on the device (``runtime.make_device``), in
 enqueue order. Decode rows take their input ids from the device token table
@@ -40,6 +45,7 @@ from vllm.v1.outputs import (
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
+from vllm_neuron_sched.core.errors import finishes_failed_requests
 from vllm_neuron_sched.runtime import DeviceFuture, make_device
 from vllm_neuron_sched.worker.async_flow import (
     AsyncFlow,
@@ -81,7 +87,8 @@ class ForwardState:
 
     scheduler_output: "SchedulerOutput"
     inputs: StepInputs
-    logits: DeviceFuture  # [num_reqs, vocab]
+    # [num_reqs, vocab] logits of the sampling rows; None when none samples.
+    logits: DeviceFuture
     prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
 
 
@@ -110,11 +117,23 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             self.max_num_tokens,
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
-        self.tp_rank = get_tp_group().rank_in_group
+        tp_group = get_tp_group()
+        self.tp_rank = tp_group.rank_in_group
         self.accelerator = make_device(name=f"tp{self.tp_rank}")
+        # Our schedulers finish a failed step's requests and serve the
+        # others. Under any other scheduler, and with TP ranks (a failure in a
+        # collective means a peer is gone, and ranks cannot know they failed
+        # alike), a device failure stops the engine.
+        self.fails_requests_alone = tp_group.world_size == 1 and (
+            finishes_failed_requests(getattr(scheduler_config, "scheduler_cls", None))
+        )
         self.model: Any = None
         self.flow = AsyncFlow(
-            self.accelerator, self.max_num_reqs, self._apply_sampled_tokens
+            self.accelerator,
+            self.max_num_reqs,
+            self._apply_sampled_tokens,
+            is_output_rank=self.tp_rank == 0,
+            queue_depth=2 if self.is_async else 1,
         )
         # TP consistency (get_rank_state): final token histories, digested.
         self.digest = RankDigest()
@@ -126,7 +145,6 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         if self.timeline is not None:
             self.flow.subscribe(self.timeline)
         self._forward: ForwardState | None = None
-        self._direct_output: ModelRunnerOutput | None = None
         self._init_request_states()
         self._init_kv_cache_state()
 
@@ -171,7 +189,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         """In-flight steps and a digest of the host token histories, after
         waiting for those steps: equal on every TP rank when no rank drifts."""
         num_in_flight = len(self.flow.in_flight)
-        self.flow.retire()
+        self.flow.drain()
         return {
             "tp_rank": self.tp_rank,
             "in_flight_steps": num_in_flight,
@@ -192,23 +210,19 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     def execute_model(
         self, scheduler_output: "SchedulerOutput", intermediate_tensors: Any = None
     ) -> ModelRunnerOutput | None:
-        """Enqueues the step's forward. None: sample_tokens() follows; else
-        the step sampled nothing and this is its output."""
+        """Enqueues the step's forward; None: ``sample_tokens`` follows."""
         with self.flow.host_section("execute_model"):
             self.flow.begin_step(scheduler_output)
-            self._direct_output = None
             self._update_states(scheduler_output)
             if not scheduler_output.total_num_scheduled_tokens:
-                # Nothing to run ahead of (the engine only tells of finished
-                # requests): bring host state up to date, so an idle worker
-                # holds no step, on every TP rank.
-                self.flow.retire()
+                # Nothing to run (the engine only tells of finished
+                # requests): bring host state up to date where that costs
+                # no wait, so an idle worker holds no step it need not.
+                self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
             inputs = self._build_inputs(scheduler_output)
             self._enqueue_forward(scheduler_output, inputs)
-            if inputs.has_samples:
-                return None
-            return self._finish_without_sampling(inputs)
+            return None
 
     @torch.inference_mode()
     def sample_tokens(
@@ -216,20 +230,18 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     ) -> ModelRunnerOutput | AsyncStepOutput:
         """Enqueues on-device sampling. Async: the output is a future the
         engine reads later; the sampled tokens feed later steps on device."""
-        if self._direct_output is not None:
-            output, self._direct_output = self._direct_output, None
-            return output
         forward, self._forward = self._forward, None
         if forward is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.flow.host_section("sample_tokens"):
             step = self._enqueue_sampling(forward, grammar_output)
+            inputs = forward.inputs
             if not self.is_async:
-                output = self.flow.wait_for(step)
+                output = self.flow.read(step)
                 self.flow.retire()
-                self.flow.end_step(forward.inputs.shape, is_sync=True)
+                self.flow.end_step(inputs.shape, inputs.num_table_rows)
                 return output
-            self.flow.end_step(forward.inputs.shape)
+            self.flow.end_step(inputs.shape, inputs.num_table_rows)
             return AsyncStepOutput(self.flow, step)
 
     # ---- the step pipeline --------------------------------------------------
@@ -256,7 +268,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         self, scheduler_output: "SchedulerOutput", inputs: StepInputs
     ) -> None:
         jobs, prompt_logprobs = self._prompt_logprobs_jobs(inputs)
-        logits = self.accelerator.enqueue(
+        forward = self.accelerator.enqueue(
             self._forward_on_device,
             inputs.input_ids,
             inputs.device_token_positions,
@@ -268,7 +280,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             inputs.logits_indices if inputs.has_samples else None,
             jobs,
         )
-        self._forward = ForwardState(scheduler_output, inputs, logits, prompt_logprobs)
+        self._forward = ForwardState(scheduler_output, inputs, forward, prompt_logprobs)
 
     def _forward_on_device(
         self,
@@ -311,6 +323,31 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     def _enqueue_sampling(
         self, forward: ForwardState, grammar_output: "GrammarOutput | None"
     ) -> InFlightStep:
+        """The step's last execution, pushed to the flow: sampling, or for a
+        step that samples nothing its forward (whose failure must reach the
+        requests too)."""
+        inputs = forward.inputs
+        result = forward.logits
+        if inputs.has_samples:
+            result = self._enqueue_sampler(forward, grammar_output)
+        step = InFlightStep(
+            number=self.flow.step,
+            result=result,
+            output=make_output_materializer(
+                result,
+                inputs.req_ids,
+                inputs.is_sampled,
+                forward.prompt_logprobs,
+                self.fails_requests_alone,
+            ),
+        )
+        self._add_placeholders(step, inputs)
+        self.flow.push(step)
+        return step
+
+    def _enqueue_sampler(
+        self, forward: ForwardState, grammar_output: "GrammarOutput | None"
+    ) -> DeviceFuture:
         inputs = forward.inputs
         metadata = self.input_batch.sampling_metadata
         repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
@@ -319,7 +356,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         grammar = None
         if grammar_output is not None:
             grammar = (forward.scheduler_output, grammar_output, list(inputs.req_ids))
-        result = self.accelerator.enqueue(
+        return self.accelerator.enqueue(
             sample_on_device,
             self.sampler,
             self.flow.tokens,
@@ -330,28 +367,6 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             repairs,
             grammar,
         )
-        step = InFlightStep(
-            number=self.flow.step,
-            req_ids=tuple(inputs.req_ids),
-            result=result,
-            output=make_output_materializer(
-                result, inputs.req_ids, inputs.is_sampled, forward.prompt_logprobs
-            ),
-        )
-        self._add_placeholders(step, inputs)
-        self.flow.push(step)
-        return step
-
-    def _finish_without_sampling(self, inputs: StepInputs) -> ModelRunnerOutput:
-        """A step of prompt chunks that are not the last: no token, no wait."""
-        self._forward = None
-        self.flow.end_step(inputs.shape)
-        self._direct_output = ModelRunnerOutput(
-            req_ids=list(inputs.req_ids),
-            req_id_to_index={req_id: i for i, req_id in enumerate(inputs.req_ids)},
-            sampled_token_ids=[[] for _ in inputs.req_ids],
-        )
-        return self._direct_output
 
     # ---- host state from device results (main thread only) ------------------
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.v1.outputs import AsyncModelRunnerOutput, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import (
@@ -22,8 +23,16 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
-from vllm_neuron_sched.runtime import DeviceFuture, Materializer
+from vllm_neuron_sched.core.errors import FailedStepOutput
+from vllm_neuron_sched.runtime import (
+    DeviceExecutionError,
+    DeviceFuture,
+    DeviceStateError,
+    Materializer,
+)
 from vllm_neuron_sched.worker.inputs import PLACEHOLDER_TOKEN_ID
+
+logger = init_logger(__name__)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -179,19 +188,52 @@ def make_output_materializer(
     req_ids: Sequence[str],
     is_sampled: Sequence[bool],
     prompt_logprobs: dict[str, LogprobsTensors],
+    fails_requests_alone: bool,
 ) -> Materializer[ModelRunnerOutput]:
     """The device result as host lists, built at most once by whichever thread
-    asks first. It reads only its own captures, never the input batch."""
+    asks first. It reads only its own captures, never the input batch.
+
+    ``result`` is the step's sampling, or its forward when no row samples
+    (its value is then None). If it failed, the step's requests finish with
+    an error (``FailedStepOutput``; with ``fails_requests_alone``, else the
+    error stops the engine); a failed state update (``DeviceStateError``)
+    always stops the engine: nothing computed after it can be trusted.
+    """
     req_ids = list(req_ids)
     is_sampled = list(is_sampled)
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
 
     def materialize() -> ModelRunnerOutput:
-        values = result.result()
+        try:
+            values = result.result()
+        except DeviceStateError:
+            raise
+        except DeviceExecutionError as exc:
+            if not fails_requests_alone:
+                raise
+            logger.error(
+                "A device execution of a step failed; its requests %s finish "
+                "with an error, the others go on",
+                req_ids,
+                exc_info=exc,
+            )
+            return FailedStepOutput(
+                req_ids=req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=[[] for _ in req_ids],
+                failed_req_ids=dict.fromkeys(req_ids, _root_cause(exc)),
+            )
+        if values is None:  # prompt chunks that are not their last
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=[[] for _ in req_ids],
+            )
         tokens = values["sampled"].tolist()
         logprobs = values["logprobs"]
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            req_id_to_index=index,
             sampled_token_ids=[
                 [token] if keep else [] for token, keep in zip(tokens, is_sampled)
             ],
@@ -200,6 +242,12 @@ def make_output_materializer(
         )
 
     return Materializer(materialize)
+
+
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return repr(error)
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):

@@ -9,7 +9,7 @@ from vllm.platforms import current_platform
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_neuron_sched.metrics import CounterPublisher
+from vllm_neuron_sched.metrics import COUNTERS, CounterPublisher
 from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
 
 if TYPE_CHECKING:
@@ -69,10 +69,11 @@ class NeuronSchedWorker(CPUWorker):
         super().shutdown()
 
     def get_async_scheduling_stats(self) -> dict[str, int]:
-        """async_steps, sync_fallback_steps, prefill_steps, dead_tokens;
-        reachable with ``LLM.collective_rpc("get_async_scheduling_stats")``."""
+        """The async flow's counters (``COUNTERS`` in metrics.py); reachable
+        with ``LLM.collective_rpc("get_async_scheduling_stats")``. vLLM's own
+        runner has no async flow: every counter is 0."""
         if not isinstance(self.model_runner, NeuronSchedModelRunner):
-            return {"async_steps": 0, "sync_fallback_steps": 0, "prefill_steps": 0}
+            return dict.fromkeys(COUNTERS, 0)
         return self.model_runner.get_async_scheduling_stats()
 
     def get_rank_state(self) -> dict[str, Any]:
@@ -94,6 +95,13 @@ class NeuronSchedWorker(CPUWorker):
         traces."""
         if isinstance(self.model_runner, NeuronSchedModelRunner):
             self.model_runner.set_step_timeline(is_on)
+
+    def inject_device_fault(self, num_executions: int) -> None:
+        """Reliability tests: the ``num_executions``-th device execution from
+        now raises (``VLLM_NEURON_SCHED_FAULT_AT_EXECUTION`` counts from the
+        start instead)."""
+        if isinstance(self.model_runner, NeuronSchedModelRunner):
+            self.model_runner.accelerator.fail_execution_after(num_executions)
 
     def set_sim_device_ms(self, sim_device_ms: float) -> None:
         """Changes the simulated device latency of a running engine, so a

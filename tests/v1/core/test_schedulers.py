@@ -18,6 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_neuron_sched.core.errors import FailedStepOutput
 from vllm_neuron_sched.core.pooling import PoolingMixin
 from vllm_neuron_sched.core.scheduler import (
     AsyncChunkedPrefillScheduler,
@@ -30,6 +31,7 @@ from vllm_neuron_sched.testing.scheduler_loop import (
     LoopResult,
     StepRecord,
     build_scheduler,
+    fake_token,
     make_request,
     run_batch_queue,
     run_sync,
@@ -326,6 +328,117 @@ def test_rejection_reaches_client_on_idle_engine(
     monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "100")
     _, _, result = run(mode, checkpoint_dir, arrive((0, req("huge", 60, 50))))
     assert result.finish_reasons == {"huge": "error"}
+
+
+# --- device failures ------------------------------------------------------------
+
+
+class FailingRunner(RecordingRunner):
+    """Fails, once, the first step ``should_fail`` picks: no token for any of
+    its rows, and the step's requests reported, as our runner does."""
+
+    def __init__(
+        self, should_fail: Callable[[StepRecord, Scheduler], bool], **kwargs
+    ) -> None:
+        super().__init__(**kwargs)
+        self.should_fail = should_fail
+        self.failed_step: SchedulerOutput | None = None
+
+    def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
+        output = super().execute(so, scheduler)
+        if self.failed_step is not None or not self.should_fail(
+            self.steps[-1], scheduler
+        ):
+            return output
+        self.failed_step = so
+        return FailedStepOutput(
+            req_ids=output.req_ids,
+            req_id_to_index=output.req_id_to_index,
+            sampled_token_ids=[[] for _ in output.req_ids],
+            failed_req_ids=dict.fromkeys(output.req_ids, "RuntimeError('boom')"),
+        )
+
+
+def runs(req_id: str) -> Callable[[StepRecord, Scheduler], bool]:
+    return lambda step, _: req_id in step.scheduled
+
+
+@MODES
+def test_a_failed_step_finishes_its_requests_and_serves_the_rest(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """The victim's first prompt chunk fails: the victim ends with an error
+    and no token; the others get every token; every block comes back."""
+    runner = FailingRunner(runs("victim"))
+    events = arrive((0, req("a", 24, 12)), (0, req("victim", 40, 12)))
+    events.arrivals[6] = [req("b", 24, 12)]
+    scheduler, _, result = run(mode, checkpoint_dir, events, runner=runner)
+    assert runner.failed_step is not None
+    assert set(runner.failed_step.num_scheduled_tokens) == {"victim"}
+    assert result.finish_reasons["victim"] == "error"
+    assert result.tokens["victim"] == []
+    for req_id in ("a", "b"):
+        assert result.tokens[req_id] == expected_tokens(req_id, 12, runner)
+        assert result.finish_reasons[req_id] == "length"
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_a_failed_prompt_chunk_leaves_the_prefix_cache(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """vLLM registers a chunk's blocks in the prefix cache when it schedules
+    the chunk: after the chunk failed, the same prompt must compute them
+    again, not hit blocks that were never written."""
+    prompt = [fake_token("p", i, VOCAB) for i in range(48)]
+
+    def same_prompt(req_id: str) -> Request:
+        return make_request(req_id, 48, 4, prompt=prompt, block_size=16)
+
+    runner = FailingRunner(runs("victim"))
+    events = arrive((0, same_prompt("victim")))
+    events.arrivals[8] = [same_prompt("again")]
+    scheduler, _, result = run(
+        mode, checkpoint_dir, events, runner=runner, enable_prefix_caching=True
+    )
+    assert result.finish_reasons == {"victim": "error", "again": "length"}
+    again = [s.scheduled["again"] for s in runner.steps if "again" in s.scheduled]
+    assert again[0][0] == 0, f"prefix hit on failed blocks: {again}"
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_a_request_sharing_only_written_blocks_survives(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """The owner's decode step fails while the sharer, which hit the owner's
+    two prompt blocks in the prefix cache, is between its own prompt chunks:
+    that step wrote nothing into the shared blocks, so the sharer runs on."""
+    prompt = [fake_token("p", i, VOCAB) for i in range(100)]
+    owner = make_request("owner", 33, 12, prompt=prompt[:33], block_size=16)
+    sharer = make_request("sharer", 100, 12, prompt=prompt, block_size=16)
+
+    def owner_alone_while_sharer_prefills(step: StepRecord, scheduler) -> bool:
+        other = scheduler.requests.get("sharer")
+        return (
+            "owner" in step.scheduled
+            and "sharer" not in step.scheduled
+            and other is not None
+            and 0 < other.num_computed_tokens < other.num_prompt_tokens
+        )
+
+    runner = FailingRunner(owner_alone_while_sharer_prefills)
+    events = arrive((0, owner), (3, sharer))
+    scheduler, _, result = run(
+        mode, checkpoint_dir, events, runner=runner, enable_prefix_caching=True
+    )
+    first = next(s.scheduled["sharer"] for s in runner.steps if "sharer" in s.scheduled)
+    assert first[0] == 32, "the sharer should hit the owner's two prompt blocks"
+    assert runner.failed_step is not None
+    assert result.finish_reasons["owner"] == "error"
+    assert result.finish_reasons["sharer"] == "length"
+    assert result.tokens["sharer"] == expected_tokens("sharer", 12, runner)
+    assert_blocks_all_free(scheduler, runner)
 
 
 # --- pooling ------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The device runtime contract (docs/design.md section 2), on the thread and inline
-backends. Synchronisation uses Events and Barriers only: no timing asserts."""
+"""The device runtime contract (docs/design.md sections 2 and 9), on every
+registered backend. Synchronisation uses Events and Barriers only: no timing
+asserts."""
 
-import sys
 import threading
 import time
 import traceback
@@ -9,17 +9,22 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from vllm_neuron_sched import envs
 from vllm_neuron_sched.runtime import (
     Device,
     DeviceExecutionError,
     DeviceFuture,
+    DeviceStateError,
     InlineDevice,
     Materializer,
     ThreadDevice,
     make_device,
 )
+from vllm_neuron_sched.runtime.backends import DEVICE_BACKENDS
 
 WAIT_S = 10.0  # upper bound for Event waits, only reached when a test fails
+# Every registered backend: a new one is held to the same contract.
+KINDS = pytest.mark.parametrize("kind", sorted(DEVICE_BACKENDS))
 
 
 @pytest.fixture
@@ -52,7 +57,7 @@ def _blocked_until(gate: threading.Event, started: threading.Event, value=1):
     return run
 
 
-@pytest.mark.parametrize("kind", ["thread", "inline"])
+@KINDS
 def test_executions_run_in_enqueue_order(kind, new_device):
     device = new_device(kind)
     order: list[int] = []
@@ -69,7 +74,7 @@ def test_executions_run_in_enqueue_order(kind, new_device):
     assert device.stats()["executions"] == 100
 
 
-@pytest.mark.parametrize("kind", ["thread", "inline"])
+@KINDS
 def test_nested_future_inputs_are_resolved(kind, new_device):
     device = new_device(kind)
     one = device.enqueue(lambda: 1)
@@ -87,7 +92,7 @@ def test_nested_future_inputs_are_resolved(kind, new_device):
     assert host_buffer == [0, 5]
 
 
-@pytest.mark.parametrize("kind", ["thread", "inline"])
+@KINDS
 def test_select_derives_without_extra_execution(kind, new_device):
     device = new_device(kind)
     out = device.enqueue(lambda: ((10, 20), {"logits": "L"}))
@@ -142,7 +147,7 @@ def test_chain_runs_on_device_thread_without_host_read(new_device):
     assert threads == ["chain-thread"] * 4
 
 
-@pytest.mark.parametrize("kind", ["thread", "inline"])
+@KINDS
 def test_error_surfaces_at_result_with_device_traceback(kind, new_device):
     device = new_device(kind)
     future = device.enqueue(_raise_boom)  # enqueue itself does not raise
@@ -153,7 +158,7 @@ def test_error_surfaces_at_result_with_device_traceback(kind, new_device):
     assert "_raise_boom" in "".join(traceback.format_exception(info.value))
 
 
-@pytest.mark.parametrize("kind", ["thread", "inline"])
+@KINDS
 def test_dependent_fails_and_unrelated_succeeds(kind, new_device):
     device = new_device(kind)
     ran: list[str] = []
@@ -252,7 +257,7 @@ def test_shutdown_nowait_fails_pending_futures(new_device):
     assert ran == []
 
 
-@pytest.mark.parametrize("kind", ["thread", "inline"])
+@KINDS
 def test_enqueue_after_shutdown_raises(kind, new_device):
     device = new_device(kind)
     device.shutdown()
@@ -308,17 +313,12 @@ def test_thread_backend_names_its_daemon_thread(new_device):
     assert thread is not threading.current_thread()
 
 
-def test_neuron_without_torch_neuronx_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # import fails
-    with pytest.raises(RuntimeError, match="pip install torch-neuronx"):
-        make_device("neuron")
-    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "neuron")
-    with pytest.raises(RuntimeError, match="torch-neuronx"):
-        make_device()
+def test_the_variable_and_the_registry_list_the_same_kinds():
+    assert ("auto", *DEVICE_BACKENDS) == envs.DEVICE_KINDS
 
 
 def test_unknown_kind_lists_valid_kinds():
-    with pytest.raises(ValueError, match="auto, thread, inline, neuron"):
+    with pytest.raises(ValueError, match="auto, thread, inline$"):
         make_device("cuda")
 
 
@@ -353,3 +353,33 @@ def test_auto_runs_inline_on_the_workers_cores_and_threads_a_held_device(
         assert isinstance(device, ThreadDevice)
     finally:
         device.shutdown()
+
+
+@KINDS
+def test_a_failed_state_update_fails_every_later_execution(kind, new_device):
+    device = new_device(kind)
+    before = device.enqueue(lambda: 1)
+    device.enqueue_state_update(_raise_boom)
+    after = device.enqueue(lambda: 2)
+    dependent = device.enqueue(lambda x: x, after)
+    assert before.result() == 1
+    for future in (after, dependent):
+        with pytest.raises(DeviceStateError, match="state is unknown") as info:
+            future.result()
+        assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_fail_execution_after_counts_enqueues_not_runs(new_device):
+    """Executions still queued behind a held device do not count: the fault
+    hits exactly the n-th one enqueued from now."""
+    device = new_device("thread")
+    gate, started = threading.Event(), threading.Event()
+    held = device.enqueue(_blocked_until(gate, started))
+    queued = device.enqueue(lambda: "queued")
+    assert started.wait(WAIT_S)
+    device.fail_execution_after(2)
+    first, second = device.enqueue(lambda: 1), device.enqueue(lambda: 2)
+    gate.set()
+    assert (held.result(), queued.result(), first.result()) == (1, "queued", 1)
+    with pytest.raises(DeviceExecutionError, match="injected device fault"):
+        second.result()
