@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     VLLM_NEURON_SCHED_PREFILL_INTERLEAVING: bool = True
     VLLM_NEURON_SCHED_POOLING_SHAPES: str = ""
     VLLM_NEURON_SCHED_DECODE_BUCKETS: str = ""
+    VLLM_NEURON_SCHED_PREFILL_SHAPES: str = ""
     VLLM_NEURON_SCHED_STATS_INTERVAL_S: float = 10.0
     VLLM_NEURON_SCHED_TIMELINE: bool = False
     VLLM_NEURON_SCHED_METRICS_DIR: str = ""
@@ -111,6 +112,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Decode batch buckets, "1,2,4,8". Empty: powers of two up to max_num_seqs.
     # Checked against the configuration at start-up (worker/buckets.py).
     "VLLM_NEURON_SCHED_DECODE_BUCKETS": _text("VLLM_NEURON_SCHED_DECODE_BUCKETS"),
+    # Static prefill shapes, "ROWSxTOKENS,..." e.g. "1x128,2x64,4x32": a
+    # prefill step runs the next chunk of up to ROWS requests, each padded to
+    # TOKENS. Empty: powers of two within the step budget. Checked against
+    # the configuration at start-up (core/prefill_shapes.py).
+    "VLLM_NEURON_SCHED_PREFILL_SHAPES": _text("VLLM_NEURON_SCHED_PREFILL_SHAPES"),
     # Seconds between the worker's async/fallback counter log lines; 0 = off.
     "VLLM_NEURON_SCHED_STATS_INTERVAL_S": _number(
         "VLLM_NEURON_SCHED_STATS_INTERVAL_S",

@@ -93,15 +93,23 @@ def check_environment(vllm_config: "VllmConfig") -> None:
     that cannot be parsed, or that cannot work with this configuration, is
     refused here with its name, not later inside a worker."""
     from vllm_neuron_sched.core.limits import parse_pooling_shapes
+    from vllm_neuron_sched.core.prefill_shapes import parse_prefill_shapes
     from vllm_neuron_sched.worker.buckets import parse_decode_buckets
 
     envs.check_values()
-    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    scheduler_config = vllm_config.scheduler_config
+    max_num_seqs = scheduler_config.max_num_seqs
     parse_decode_buckets(envs.VLLM_NEURON_SCHED_DECODE_BUCKETS, max_num_seqs)
     if vllm_config.model_config is not None:
         max_model_len = vllm_config.model_config.max_model_len
         parse_pooling_shapes(
             envs.VLLM_NEURON_SCHED_POOLING_SHAPES, max_model_len, max_num_seqs
+        )
+        parse_prefill_shapes(
+            envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
+            scheduler_config.max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len,
         )
 
 

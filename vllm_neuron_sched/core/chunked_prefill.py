@@ -1,10 +1,13 @@
 """Chunked prefill for devices that cannot mix prefill and decode in a batch.
 
-Rules (Spyre's, docs/design.md section 2): a step is either one request's prefill
-chunk or a decode batch; at most one prefill is ongoing and it beats new
-requests; with interleaving a prefill step never follows a prefill step while
-decodes wait; admission keeps ``max_num_seqs``, the volumetric tkv limit, and
-KV blocks reserved for ``prompt + max_tokens``.
+Rules (docs/design.md section 2): a step is either a prefill step or a decode
+batch, never both. A prefill step runs the next chunk of several requests at
+one static prefill shape (``rows x tokens per row``, core/prefill_shapes.py):
+the ongoing prefills first, then waiting requests in arrival order, as far as
+each can be admitted together with those before it. With interleaving, a
+prefill step never follows a prefill step while decodes wait. Admission keeps
+``max_num_seqs``, the volumetric tkv limit, and KV blocks reserved for
+``prompt + max_tokens``, for the whole group.
 
 Run-ahead consistency: with async scheduling ``schedule()`` for step N+1 runs
 before ``update_from_output()`` for step N. Every fact this mixin plans from is
@@ -17,6 +20,8 @@ step. Nothing is written in ``update_from_output``, so nothing can go stale.
 
 import enum
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +32,11 @@ from vllm.v1.request import RequestStatus
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import ErrorFinishMixin
 from vllm_neuron_sched.core.limits import RequestLimits
+from vllm_neuron_sched.core.prefill_shapes import (
+    PrefillShape,
+    parse_prefill_shapes,
+    pick_shape,
+)
 from vllm_neuron_sched.core.step_view import restricted_view
 
 if TYPE_CHECKING:
@@ -48,8 +58,10 @@ class StepPlanKind(enum.Enum):
 @dataclass(frozen=True)
 class StepPlan:
     kind: StepPlanKind
-    # The request whose chunk a PREFILL step runs; None otherwise.
-    prefill: "Request | None" = None
+    # PREFILL: the requests whose next chunk the step runs, in row order
+    # (ongoing prefills first), and the shape that bounds each chunk.
+    prefills: tuple["Request", ...] = ()
+    shape: PrefillShape | None = None
 
 
 class ChunkedPrefillMixin(ErrorFinishMixin):
@@ -60,6 +72,14 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         self.interleave_prefills = envs.VLLM_NEURON_SCHED_PREFILL_INTERLEAVING
         self.limits = RequestLimits.from_config(self.vllm_config)
         self.max_model_len = self.vllm_config.model_config.max_model_len
+        scheduler_config = self.vllm_config.scheduler_config
+        self.prefill_shapes = parse_prefill_shapes(
+            envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs,
+            self.max_model_len,
+        )
+        self.max_prefill_rows = max(shape.rows for shape in self.prefill_shapes)
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
 
@@ -67,17 +87,17 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
 
     def schedule(self, *args, **kwargs) -> "SchedulerOutput":
         plan = self.plan_step()
+        chunks = nullcontext()
         if plan.kind is StepPlanKind.PREFILL:
-            assert plan.prefill is not None
-            if plan.prefill.status == RequestStatus.RUNNING:
-                view = restricted_view(self, [plan.prefill], [])
-            else:
-                view = restricted_view(self, [], [plan.prefill])
+            running = [r for r in plan.prefills if r.status == RequestStatus.RUNNING]
+            waiting = [r for r in plan.prefills if r.status != RequestStatus.RUNNING]
+            view = restricted_view(self, running, waiting)
+            chunks = self._chunks_of(plan)
         elif plan.kind is StepPlanKind.DECODE:
             view = restricted_view(self, self.decoding_requests(), [])
         else:
             view = restricted_view(self, [], [])
-        with view:
+        with view, chunks:
             output = super().schedule(*args, **kwargs)
         self.last_step_kind = (
             plan.kind if output.num_scheduled_tokens else StepPlanKind.IDLE
@@ -87,22 +107,50 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
     def plan_step(self) -> StepPlan:
         """Prefill when allowed (TTFT), else decode, else nothing."""
         can_decode = any(self.can_schedule_decode(r) for r in self.decoding_requests())
-        prefill = self.ongoing_prefill() or self.admissible_waiting_request()
+        candidates = self.prefill_candidates()
         blocked_by_interleaving = (
             self.interleave_prefills
             and self.last_step_kind is StepPlanKind.PREFILL
             and can_decode
         )
-        if prefill is not None and not blocked_by_interleaving:
-            return StepPlan(StepPlanKind.PREFILL, prefill)
+        if candidates and not blocked_by_interleaving:
+            left = [r.num_tokens - r.num_computed_tokens for r in candidates]
+            shape, count = pick_shape(left, self.prefill_shapes)
+            return StepPlan(StepPlanKind.PREFILL, tuple(candidates[:count]), shape)
         if can_decode:
             return StepPlan(StepPlanKind.DECODE)
         return StepPlan(StepPlanKind.IDLE)
 
+    @contextmanager
+    def _chunks_of(self, plan: StepPlan) -> Iterator[None]:
+        """vLLM's ``schedule()`` gives each request of the step at most the
+        shape's tokens per row (its long-prefill cap, fixed, not adaptive)
+        and the step at most a row per request."""
+        assert plan.shape is not None
+        config = self.scheduler_config
+        saved = (
+            config.long_prefill_token_threshold,
+            self.adaptive_long_prefill_threshold,
+            self.max_num_scheduled_tokens,
+        )
+        config.long_prefill_token_threshold = plan.shape.tokens
+        self.adaptive_long_prefill_threshold = False
+        self.max_num_scheduled_tokens = min(
+            saved[2], len(plan.prefills) * plan.shape.tokens
+        )
+        try:
+            yield
+        finally:
+            (
+                config.long_prefill_token_threshold,
+                self.adaptive_long_prefill_threshold,
+                self.max_num_scheduled_tokens,
+            ) = saved
+
     # --- schedule-time views of the running set ------------------------------
 
-    def ongoing_prefill(self) -> "Request | None":
-        return next((r for r in self.running if r.is_prefill_chunk), None)
+    def ongoing_prefills(self) -> list["Request"]:
+        return [r for r in self.running if r.is_prefill_chunk]
 
     def decoding_requests(self) -> list["Request"]:
         return [r for r in self.running if not r.is_prefill_chunk]
@@ -147,27 +195,45 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
 
     # --- admission -----------------------------------------------------------
 
-    def admissible_waiting_request(self) -> "Request | None":
-        """The first ready waiting request, if it may start now.
+    def prefill_candidates(self) -> list["Request"]:
+        """Who the next prefill step may hold, in row order: the ongoing
+        prefills, then ready waiting requests in arrival order, each admitted
+        only together with those before it (the first that does not fit stops
+        the queue, as vLLM's FCFS does).
 
         Served in order, those holding KV blocks first (as vLLM does); a
         request still compiling its grammar is passed over (vLLM's scheduler
         does the same) until the grammar is ready.
         """
+        candidates = self.ongoing_prefills()
+        joining: list[Request] = []
         queued = itertools.chain(self.kv_holding_waiting, self.waiting)
-        candidate = next(
-            (r for r in queued if self._handle_blocked_waiting_request(r)), None
-        )
-        if candidate is None:
-            return None
-        if len(self.running) >= self.max_num_running_reqs:
-            return None
+        for request in queued:
+            if len(candidates) >= self.max_prefill_rows:
+                break
+            if not self._handle_blocked_waiting_request(request):
+                continue
+            if not self.can_admit(request, joining):
+                break
+            joining.append(request)
+            candidates.append(request)
+        return candidates
+
+    def can_admit(self, candidate: "Request", joining: list["Request"]) -> bool:
+        """Whether ``candidate`` may start along with ``joining`` (waiting
+        requests admitted to the same step before it): a running slot, KV
+        blocks for its whole life after everything promised, and the tkv
+        limit for the batch all of them will decode in."""
+        if len(self.running) + len(joining) >= self.max_num_running_reqs:
+            return False
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        if free - self.reserved_blocks() < self.blocks_needed(candidate):
-            return None
-        batch = [*self.decoding_requests(), candidate]
-        tkv_after_join = max(candidate.num_tokens, self.decode_tkv(batch[:-1]))
+        promised = self.reserved_blocks() + sum(map(self.blocks_needed, joining))
+        if free - promised < self.blocks_needed(candidate):
+            return False
+        decoding = self.decoding_requests()
+        batch = [*self.running, *joining, candidate]
+        # Prefilling requests join the decode batch at their prompt's length.
+        prompts = [r.num_tokens for r in batch if r not in decoding]
+        tkv_after_join = max(max(prompts), self.decode_tkv(decoding))
         worst_tkv = tkv_after_join + max(self.remaining_tokens(r) for r in batch)
-        if len(batch) * worst_tkv > self.limits.max_batch_tkv_limit:
-            return None
-        return candidate
+        return len(batch) * worst_tkv <= self.limits.max_batch_tkv_limit

@@ -1,11 +1,19 @@
 """Static shapes: the padded sizes a compiled step graph is run at.
 
 A static-shape device compiles one graph per shape, so every step is padded up
-to one of a few buckets: decode batches to a batch-size bucket (1, 2, 4, ...),
-prefill chunks to a token-count bucket up to the chunk size.
+to one of a few: decode batches to a batch-size bucket (1, 2, 4, ...), prefill
+steps to a declared prefill shape (``rows x tokens per row``,
+core/prefill_shapes.py). A step no shape holds (a scheduler that mixes prefill
+and decode) pads its tokens to a token-count bucket up to the step budget.
 """
 
 from dataclasses import dataclass
+
+from vllm_neuron_sched.core.prefill_shapes import (
+    PrefillShape,
+    fitting_shape,
+    parse_prefill_shapes,
+)
 
 _MIN_PREFILL_BUCKET = 16
 
@@ -47,17 +55,32 @@ def parse_decode_buckets(spec: str, max_num_seqs: int) -> tuple[int, ...]:
 class Buckets:
     # Decode batch sizes (requests), ascending; the last is max_num_seqs.
     decode: tuple[int, ...]
-    # Prefill/mixed token counts, ascending; the last is max_num_batched_tokens.
+    # Token counts of steps no prefill shape holds, ascending; the last is
+    # max_num_batched_tokens.
     prefill: tuple[int, ...]
+    # The declared prefill shapes (VLLM_NEURON_SCHED_PREFILL_SHAPES).
+    prefill_shapes: tuple[PrefillShape, ...] = ()
 
     @classmethod
     def from_limits(
-        cls, decode_spec: str, max_num_seqs: int, max_num_batched_tokens: int
+        cls,
+        decode_spec: str,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_spec: str = "",
+        max_model_len: int | None = None,
     ) -> "Buckets":
         start = min(_MIN_PREFILL_BUCKET, max_num_batched_tokens)
+        shapes = parse_prefill_shapes(
+            prefill_spec,
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len or max_num_batched_tokens,
+        )
         return cls(
             decode=parse_decode_buckets(decode_spec, max_num_seqs),
             prefill=_powers_of_two_up_to(max_num_batched_tokens, start),
+            prefill_shapes=shapes,
         )
 
     def pad_decode(self, num_reqs: int) -> int:
@@ -65,6 +88,10 @@ class Buckets:
 
     def pad_tokens(self, num_tokens: int) -> int:
         return _smallest_fitting(self.prefill, num_tokens)
+
+    def prefill_shape(self, row_tokens: list[int]) -> PrefillShape | None:
+        """The smallest declared shape holding a prefill step of these rows."""
+        return fitting_shape(row_tokens, self.prefill_shapes)
 
 
 def _smallest_fitting(sizes: tuple[int, ...], n: int) -> int:

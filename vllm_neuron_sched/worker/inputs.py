@@ -1,5 +1,15 @@
 """Host-side inputs of one step, padded to a static shape.
 
+Two layouts. A prefill step that a declared prefill shape ``[rows, tokens]``
+holds is *rectangular*: row i's chunk sits at ``[i * tokens, i * tokens +
+chunk)``, padded to ``tokens``, and rows past the group are padding. Each row is
+one attention sequence of ``tokens`` queries that starts at the row's computed
+tokens, so a real query sees exactly its own prefix (causal), padded queries
+come after every real one, write no KV (slot -1) and read only blocks of their
+row or the null block 0; their outputs are dropped. Every other step (decode
+batches, steps of a scheduler that mixes) is *packed*: rows back to back,
+padded at the tail to a bucket, the padding outside every attention sequence.
+
 Every tensor here is freshly allocated per step: the device thread may still be
 running the previous step while the next one is built, so nothing it reads may
 be a view of the persistent input batch.
@@ -12,6 +22,7 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.worker.async_flow import PAD_SLOT
 
@@ -39,6 +50,10 @@ class StepInputs:
     num_computed: np.ndarray
     num_tokens: int  # real tokens
     num_tokens_padded: int  # the static shape run on the device
+    # The prefill shape of a rectangular step; None for a packed one.
+    prefill_shape: PrefillShape | None
+    # [num_reqs] where each row's first token sits in the padded step.
+    row_offsets: np.ndarray
     # [num_tokens_padded] int32; padded entries 0. Decode rows' entries are
     # overwritten on the device from the token table (below).
     input_ids: torch.Tensor
@@ -101,64 +116,49 @@ def build_step_inputs(
     is_decode_row = (num_scheduled == 1) & (num_computed + 1 == num_known)
     is_decode_row &= num_computed >= num_prompt
     shape = BatchShape.of((~is_decode_row).tolist())
-    num_tokens = int(num_scheduled.sum())
-    if shape is BatchShape.DECODE:
-        num_tokens_padded = buckets.pad_decode(num_reqs)
-    else:
-        num_tokens_padded = buckets.pad_tokens(num_tokens)
+    layout = _Layout.of(shape, num_scheduled, num_computed, buckets)
 
+    num_tokens = int(num_scheduled.sum())
     cu_num_tokens = np.cumsum(num_scheduled)
     row_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
     offset_in_row = (
         np.arange(num_tokens) - (cu_num_tokens - num_scheduled)[row_of_token]
     )
     positions_np = num_computed[row_of_token] + offset_in_row
+    # Where each real token sits in the padded step.
+    token_index = torch.from_numpy(layout.row_offsets[row_of_token] + offset_in_row)
 
     token_ids = batch.token_ids_cpu[row_of_token, positions_np]
     # A decode row's one token is its newest: read it from the device table.
     decode_rows = np.flatnonzero(is_decode_row)
     device_token_positions = device_token_slots = None
     if decode_rows.size:
-        decode_positions = cu_num_tokens[decode_rows] - 1
-        device_token_positions = torch.from_numpy(decode_positions.astype(np.int64))
+        decode_positions = layout.row_offsets[decode_rows] + num_scheduled[decode_rows]
+        device_token_positions = torch.from_numpy(decode_positions - 1)
         device_token_slots = torch.from_numpy(token_slots[decode_rows])
-        token_ids[decode_positions] = 0
-    input_ids = torch.zeros(num_tokens_padded, dtype=torch.int32)
-    input_ids[:num_tokens] = torch.from_numpy(token_ids)
+        token_ids[cu_num_tokens[decode_rows] - 1] = 0
+    input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
+    input_ids[token_index] = torch.from_numpy(token_ids)
     is_sampled = num_computed + num_scheduled >= num_known
-    positions = torch.zeros(num_tokens_padded, dtype=torch.int64)
-    positions[:num_tokens] = torch.from_numpy(positions_np)
-
-    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.from_numpy(cu_num_tokens)
-    seq_lens_np = num_computed + num_scheduled
-    seq_lens = torch.from_numpy(seq_lens_np.astype(np.int32))
+    positions = torch.zeros(layout.num_tokens_padded, dtype=torch.int64)
+    positions[token_index] = torch.from_numpy(positions_np)
 
     attn_inputs: list[tuple[AttentionGroup, CommonAttentionMetadata]] = []
     slot_mapping: dict[str, torch.Tensor] = {}
     for group in attn_groups:
-        gid = group.kv_cache_group_id
-        block_table = batch.block_table[gid]
+        block_table = batch.block_table[group.kv_cache_group_id]
         block_size = block_table.block_size
         table_np = block_table.get_numpy_array()
-        kv_slots = torch.full((num_tokens_padded,), PAD_SLOT_ID, dtype=torch.int64)
+        kv_slots = torch.full(
+            (layout.num_tokens_padded,), PAD_SLOT_ID, dtype=torch.int64
+        )
         block_numbers = table_np[row_of_token, positions_np // block_size]
-        kv_slots[:num_tokens] = torch.from_numpy(
+        kv_slots[token_index] = torch.from_numpy(
             block_numbers.astype(np.int64) * block_size + positions_np % block_size
         )
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens=seq_lens,
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            block_table_tensor=torch.from_numpy(table_np[:num_reqs].copy()),
-            slot_mapping=kv_slots,
-            positions=positions[:num_tokens],
+        attn_inputs.append(
+            (group, layout.attention(table_np, block_size, kv_slots, positions))
         )
-        attn_inputs.append((group, common))
         for layer_name in group.layer_names:
             slot_mapping[layer_name] = kv_slots
 
@@ -168,12 +168,14 @@ def build_step_inputs(
         num_scheduled=num_scheduled,
         num_computed=num_computed,
         num_tokens=num_tokens,
-        num_tokens_padded=num_tokens_padded,
+        num_tokens_padded=layout.num_tokens_padded,
+        prefill_shape=layout.prefill_shape,
+        row_offsets=layout.row_offsets,
         input_ids=input_ids,
         device_token_positions=device_token_positions,
         device_token_slots=device_token_slots,
         positions=positions,
-        logits_indices=torch.from_numpy(cu_num_tokens.astype(np.int64) - 1),
+        logits_indices=torch.from_numpy(layout.row_offsets + num_scheduled - 1),
         is_sampled=is_sampled,
         attn_inputs=attn_inputs,
         slot_mapping=slot_mapping,
@@ -181,6 +183,83 @@ def build_step_inputs(
         token_slots=token_slots,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
     )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the rows of a step sit in its padded shape, and the attention
+    sequences that describe them (see the module docstring)."""
+
+    num_scheduled: np.ndarray  # [num_reqs]
+    num_computed: np.ndarray  # [num_reqs]
+    # [num_reqs] int64: each row's first token in the padded step.
+    row_offsets: np.ndarray
+    num_tokens_padded: int
+    prefill_shape: PrefillShape | None  # None: packed
+
+    @classmethod
+    def of(
+        cls,
+        shape: BatchShape,
+        num_scheduled: np.ndarray,
+        num_computed: np.ndarray,
+        buckets: "Buckets",
+    ) -> "_Layout":
+        prefill_shape = None
+        if shape is BatchShape.PREFILL:
+            prefill_shape = buckets.prefill_shape(num_scheduled.tolist())
+        if prefill_shape is not None:
+            offsets = np.arange(len(num_scheduled), dtype=np.int64)
+            offsets *= prefill_shape.tokens
+            return cls(
+                num_scheduled, num_computed, offsets, prefill_shape.size, prefill_shape
+            )
+        num_tokens = int(num_scheduled.sum())
+        if shape is BatchShape.DECODE:
+            padded = buckets.pad_decode(len(num_scheduled))
+        else:
+            padded = buckets.pad_tokens(num_tokens)
+        offsets = (np.cumsum(num_scheduled) - num_scheduled).astype(np.int64)
+        return cls(num_scheduled, num_computed, offsets, padded, None)
+
+    def attention(
+        self,
+        table_np: np.ndarray,
+        block_size: int,
+        kv_slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> CommonAttentionMetadata:
+        num_reqs = len(self.num_scheduled)
+        shape = self.prefill_shape
+        if shape is None:  # packed: the real tokens only
+            query_lens = self.num_scheduled.astype(np.int64)
+            seq_lens_np = self.num_computed + query_lens
+            block_table = table_np[:num_reqs]
+            num_actual_tokens = int(query_lens.sum())
+        else:  # every row, padded rows too, is ``tokens`` queries long
+            query_lens = np.full(shape.rows, shape.tokens, dtype=np.int64)
+            seq_lens_np = query_lens.copy()
+            seq_lens_np[:num_reqs] += self.num_computed
+            # Padded queries reach past the row's blocks: the null block 0.
+            width = max(table_np.shape[1], -(-int(seq_lens_np.max()) // block_size))
+            block_table = np.zeros((shape.rows, width), dtype=table_np.dtype)
+            block_table[:num_reqs, : table_np.shape[1]] = table_np[:num_reqs]
+            num_actual_tokens = shape.size
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.from_numpy(np.cumsum(query_lens))
+        return CommonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
+            num_reqs=len(query_lens),
+            num_actual_tokens=num_actual_tokens,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            # A copy: the input batch's table changes while the device runs.
+            block_table_tensor=torch.from_numpy(np.array(block_table, copy=True)),
+            slot_mapping=kv_slots,
+            positions=positions[:num_actual_tokens],
+        )
 
 
 def build_attention_metadata(

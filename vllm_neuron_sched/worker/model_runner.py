@@ -115,6 +115,8 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             envs.VLLM_NEURON_SCHED_DECODE_BUCKETS,
             self.max_num_reqs,
             self.max_num_tokens,
+            envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
+            self.max_model_len,
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         tp_group = get_tp_group()

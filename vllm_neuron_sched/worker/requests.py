@@ -129,7 +129,7 @@ class RequestStatesMixin:
         completed: dict[str, LogprobsTensors] = {}
         if not self.num_prompt_logprobs:
             return jobs, completed
-        offsets = [0, *inputs.num_scheduled.cumsum().tolist()]
+        offsets = inputs.row_offsets.tolist()
         for row, req_id in enumerate(inputs.req_ids):
             num_logprobs = self.num_prompt_logprobs.get(req_id)
             state = self.requests[req_id]

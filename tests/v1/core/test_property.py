@@ -1,5 +1,9 @@
 """Random workloads through both engine loops: the run-ahead property (DESIGN 4).
 
+Prefill steps hold groups: each workload declares its static prefill shapes
+(the default grid, ``1xCHUNK``, or a few random ones), and every prefill step
+must fit one of them.
+
 The same workload (arrivals, EOS and stop tokens at random output indices,
 max_tokens, aborts) runs through ``run_sync`` with ``ChunkedPrefillScheduler``
 and through ``run_batch_queue`` with ``AsyncChunkedPrefillScheduler``. Both runs
@@ -29,6 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_neuron_sched.core.prefill_shapes import fitting_shape
 from vllm_neuron_sched.core.scheduler import (
     AsyncChunkedPrefillScheduler,
     ChunkedPrefillScheduler,
@@ -49,7 +54,7 @@ STOP = VOCAB - 2
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
 MAX_EXAMPLES = 300
-CASES = {"ran": 0}
+CASES = {"ran": 0, "grouped_steps": 0}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Workload:
     num_blocks: int
     # 0: the scheduler's default (max_num_seqs * max_model_len).
     tkv_limit: int
+    # VLLM_NEURON_SCHED_PREFILL_SHAPES ("" = the default grid).
+    prefill_shapes: str = ""
 
     def forced(self) -> dict[tuple[str, int], int]:
         forced = {}
@@ -133,7 +140,7 @@ def workloads(draw: st.DrawFn) -> Workload:
     for i in range(num_requests):
         prompt_len = draw(st.integers(1, 100))
         max_tokens = draw(st.integers(1, 40))
-        arrival = draw(st.integers(0, 20))
+        arrival = draw(st.integers(0, 20) | st.just(0))  # bursts: groups
         output_index = st.none() | st.integers(0, max_tokens - 1)
         abort_after = draw(st.none() | st.integers(0, 40))
         specs.append(
@@ -154,7 +161,16 @@ def workloads(draw: st.DrawFn) -> Workload:
     extra_blocks = draw(st.integers(0, 4) | st.integers(0, 24))
     num_blocks = cdiv(largest, BLOCK_SIZE) + 1 + extra_blocks
     tkv_limit = draw(st.just(0) | st.integers(largest, 2 * largest))
-    return Workload(tuple(specs), max_num_seqs, chunk_size, num_blocks, tkv_limit)
+    shapes = draw(st.sampled_from(["", f"1x{chunk_size}", "random"]))
+    if shapes == "random":
+        grid = set()
+        for _ in range(draw(st.integers(1, 3))):
+            rows = draw(st.integers(1, max_num_seqs))
+            grid.add(f"{rows}x{draw(st.integers(1, chunk_size // rows))}")
+        shapes = ",".join(sorted(grid))
+    return Workload(
+        tuple(specs), max_num_seqs, chunk_size, num_blocks, tkv_limit, shapes
+    )
 
 
 def reference_output(spec: Spec, runner: FakeRunner) -> tuple[list[int], str]:
@@ -172,6 +188,7 @@ def run_workload(
 ) -> tuple[LoopResult, CheckingRunner, Scheduler]:
     # The scheduler reads the limit from the environment when it is built.
     os.environ["VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT"] = str(workload.tkv_limit)
+    os.environ["VLLM_NEURON_SCHED_PREFILL_SHAPES"] = workload.prefill_shapes
     is_async = scheduler_cls is AsyncChunkedPrefillScheduler
     scheduler = build_scheduler(
         scheduler_cls,
@@ -201,7 +218,10 @@ def check_invariants(
         kinds = set(step.is_prefill.values())
         assert len(kinds) <= 1, f"mixed prefill and decode at {where}"
         if kinds == {True}:
-            assert len(step.scheduled) == 1, f"two prefills at {where}"
+            chunks = [n for _, n in step.scheduled.values()]
+            shape = fitting_shape(chunks, scheduler.prefill_shapes)
+            assert shape is not None, f"prefill step fits no shape at {where}"
+            CASES["grouped_steps"] += len(chunks) > 1
         assert len(step.scheduled) <= workload.max_num_seqs, where
         assert step.num_running <= workload.max_num_seqs, where
         assert step.num_free_blocks <= num_usable_blocks, f"double free at {where}"
@@ -232,12 +252,16 @@ def check_invariants(
 @pytest.fixture(scope="module")
 def case_counter() -> Iterator[dict[str, int]]:
     """Reports how many generated workloads ran (each through both loops)."""
-    CASES["ran"] = 0
+    CASES.update(ran=0, grouped_steps=0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "0")  # restored after
+        mp.setenv("VLLM_NEURON_SCHED_PREFILL_SHAPES", "")
         yield CASES
-    print(f"\nhypothesis: {CASES['ran']} workloads, each through both loops")
-    assert CASES["ran"] > 0
+    print(
+        f"\nhypothesis: {CASES['ran']} workloads, each through both loops; "
+        f"{CASES['grouped_steps']} prefill steps held several requests"
+    )
+    assert CASES["ran"] > 0 and CASES["grouped_steps"] > 0
 
 
 @settings(

@@ -20,6 +20,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_neuron_sched.core.errors import FailedStepOutput
 from vllm_neuron_sched.core.pooling import PoolingMixin
+from vllm_neuron_sched.core.prefill_shapes import fitting_shape
 from vllm_neuron_sched.core.scheduler import (
     AsyncChunkedPrefillScheduler,
     ChunkedPrefillScheduler,
@@ -178,8 +179,14 @@ def test_platform_turns_async_off_for_pooling(checkpoint_dir: str) -> None:
 
 
 @MODES
-def test_step_shape_rules(mode: Mode, checkpoint_dir: str) -> None:
-    """No mixed step, one request per prefill step, one ongoing prefill, seqs cap."""
+@pytest.mark.parametrize("shapes", ["", "1x32"], ids=["default-grid", "1xchunk"])
+def test_step_shape_rules(
+    mode: Mode, shapes: str, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No mixed step; every prefill step fits a declared shape and holds the
+    ongoing prefills before any new request; seqs cap. With ``1xCHUNK`` (the
+    anchors' rule) a prefill step is one request and one prefill is ongoing."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_PREFILL_SHAPES", shapes)
     prompts = [100, 20, 50, 5, 70, 33, 64]
     events = arrive(*((i // 2, req(f"r{i}", p, 6 + i)) for i, p in enumerate(prompts)))
     scheduler, runner, result = run(mode, checkpoint_dir, events, max_num_seqs=3)
@@ -187,21 +194,26 @@ def test_step_shape_rules(mode: Mode, checkpoint_dir: str) -> None:
     kinds = step_kinds(runner)
     assert "mixed" not in kinds
     assert "prefill" in kinds and "decode" in kinds
+    partial: set[str] = set()  # between their first and last prompt chunk
+    num_rows = []
     for kind, step in zip(kinds, runner.steps):
-        if kind == "prefill":
-            assert len(step.scheduled) == 1
         assert step.num_running <= 3
         assert len(step.scheduled) <= 3
-    # At most one request is between its first and last prefill chunk.
-    partial: set[str] = set()
-    for step in runner.steps:
+        if kind == "prefill":
+            chunks = [n for _, n in step.scheduled.values()]
+            assert fitting_shape(chunks, scheduler.prefill_shapes), step
+            num_rows.append(len(chunks))
+            if any(start == 0 for start, _ in step.scheduled.values()):
+                assert partial <= step.scheduled.keys(), "a new request jumped ahead"
         for req_id, (start, num_tokens) in step.scheduled.items():
             prompt_len = runner.prompt_lens[req_id]
             if start < prompt_len:
                 partial.discard(req_id)
                 if start + num_tokens < prompt_len:
                     partial.add(req_id)
-        assert len(partial) <= 1
+        if shapes:
+            assert len(partial) <= 1
+    assert (max(num_rows) > 1) == (not shapes)
     assert interleaving_violations(runner) == []
     for i in range(len(prompts)):
         assert result.tokens[f"r{i}"] == expected_tokens(f"r{i}", 6 + i, runner)
@@ -291,6 +303,56 @@ def test_blocks_reserved_for_prompt_and_max_tokens(
 
 
 @MODES
+def test_a_group_is_admitted_only_as_far_as_every_member_fits(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """Three 16+48 requests at once, KV blocks for two lifetimes (4 blocks
+    each, 8 usable): the first prefill step holds two, the third starts once
+    blocks come back, and nothing is ever preempted."""
+    events = arrive(*((0, req(f"r{i}", 16, 48)) for i in range(3)))
+    scheduler, runner, result = run(
+        mode,
+        checkpoint_dir,
+        events,
+        num_blocks=9,
+        block_size=16,
+        max_num_batched_tokens=64,  # shapes of up to 4 rows
+    )
+    assert max(shape.rows for shape in scheduler.prefill_shapes) >= 3
+    first = runner.steps[0].scheduled
+    assert sorted(first) == ["r0", "r1"]
+    assert min(steps_of(runner, "r2")) > min(
+        max(steps_of(runner, "r0")), max(steps_of(runner, "r1"))
+    )
+    for so in runner.outputs:
+        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
+    for i in range(3):
+        assert result.tokens[f"r{i}"] == expected_tokens(f"r{i}", 48, runner)
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_a_group_keeps_the_tkv_limit_for_the_batch_it_joins(
+    mode: Mode, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a 150-token volume, two 40+20 requests may decode together
+    (2 x 60) but not three (3 x 60): a burst of three prefills two."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "150")
+    events = arrive(*((0, req(f"r{i}", 40, 20)) for i in range(3)))
+    scheduler, runner, result = run(
+        mode, checkpoint_dir, events, max_num_batched_tokens=128
+    )
+    first_prefill = next(s for s in runner.steps if s.is_prefill.get("r0"))
+    assert "r2" not in first_prefill.scheduled and "r1" in first_prefill.scheduled
+    for kind, step in zip(step_kinds(runner), runner.steps):
+        if kind == "decode":
+            max_position = max(start + n for start, n in step.scheduled.values())
+            assert len(step.scheduled) * max_position <= 150
+    for i in range(3):
+        assert result.tokens[f"r{i}"] == expected_tokens(f"r{i}", 20, runner)
+
+
+@MODES
 def test_request_that_can_never_fit_is_finished_with_error(
     mode: Mode, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,7 +432,7 @@ def test_a_failed_step_finishes_its_requests_and_serves_the_rest(
     """The victim's first prompt chunk fails: the victim ends with an error
     and no token; the others get every token; every block comes back."""
     runner = FailingRunner(runs("victim"))
-    events = arrive((0, req("a", 24, 12)), (0, req("victim", 40, 12)))
+    events = arrive((0, req("a", 24, 12)), (3, req("victim", 40, 12)))
     events.arrivals[6] = [req("b", 24, 12)]
     scheduler, _, result = run(mode, checkpoint_dir, events, runner=runner)
     assert runner.failed_step is not None
