@@ -109,6 +109,21 @@ def make_workload(spec: dict[str, Any], vocab: int) -> Workload:
             for _ in range(num)
         ]
         return Workload(prompts, params, [0.0] * num)
+    if spec["kind"] == "burst":  # all at once, varied prompt lengths
+        prompts = [
+            _prompt(rng, rng.randint(*spec["prompt_len_range"]), vocab)
+            for _ in range(num)
+        ]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=spec["max_tokens"],
+                ignore_eos=True,
+                output_kind=delta,
+            )
+            for _ in range(num)
+        ]
+        return Workload(prompts, params, [0.0] * num)
     # "mixed": random prompt lengths and budgets, Poisson arrivals; half of
     # the requests sample until one of a few stop tokens, the way a request
     # ends on EOS, so dead tokens show. Unseeded: stock vLLM CPU fails on
@@ -191,6 +206,7 @@ def run_workload(llm: Any, workload: Workload, tag: str) -> dict[str, Any]:
         "output_tok_s": num_tokens / elapsed,
         "steady_tok_s": _steady_tok_s(timings, steps),
         "ttft_s": _median(ttfts),
+        "ttft_p90_s": _percentile(ttfts, 0.9),
         "tpot_s": _median(tpots),
         "num_finished_stop": reasons.count("stop"),
         "num_finished_length": reasons.count("length"),
@@ -210,6 +226,14 @@ def _steady_tok_s(
     begin, end = max(firsts), min(lasts)
     tokens = sum(n for stamp, n in steps if begin < stamp <= end)
     return tokens / (end - begin) if end > begin and tokens else None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile."""
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * len(values)) - 1))]
 
 
 def _median(values: list[float]) -> float | None:
@@ -251,11 +275,16 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                 continue
             workload = make_workload(wl_spec, vocab)
             if wl_spec.get("warmup", True):  # first-shape compiles, caches
-                warm = make_workload({**wl_spec, "num_requests": 4}, vocab)
+                # A burst meets many step shapes at once: warm them all.
+                num_warm = wl_spec["num_requests"] if wl_spec["kind"] == "burst" else 4
+                warm = make_workload({**wl_spec, "num_requests": num_warm}, vocab)
                 warm.arrivals = [0.0] * len(warm.arrivals)
                 run_workload(llm, warm, f"{name}-warm")
             repeats = []
             for r in range(wl_spec["repeats"]):
+                # Every repeat runs the same prompts: without this, repeats
+                # after the first would take their prompts from the cache.
+                llm.reset_prefix_cache()
                 before = _rpc(llm, "get_async_scheduling_stats")
                 figures = run_workload(llm, workload, f"{name}-{r}")
                 figures["sched_stats"] = _stats_delta(
@@ -265,6 +294,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                 _progress()
             timeline = None
             if wl_spec.get("trace"):  # one more run, timed: not in the figures
+                llm.reset_prefix_cache()
                 _rpc(llm, "set_step_timeline", True)
                 run_workload(llm, workload, f"{name}-traced")
                 timeline = _rpc(llm, "get_step_timeline")
@@ -287,6 +317,7 @@ def run_overlap(llm: Any, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
         run_workload(llm, workload, f"overlap{sim_ms}-warm")
         repeats = []
         for r in range(spec["repeats"]):
+            llm.reset_prefix_cache()
             _rpc(llm, "get_step_timeline", True)
             figures = run_workload(llm, workload, f"overlap{sim_ms}-{r}")
             timeline = _rpc(llm, "get_step_timeline")

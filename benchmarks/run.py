@@ -30,7 +30,11 @@ from tqdm import tqdm
 from benchmarks.analysis import check_plotting, chrome_trace, plot_timelines
 from benchmarks.child import PROGRESS_MARKER, RESULT_MARKER
 
-MODES = ("stock", "stock_async", "sync", "async")
+MODES = ("stock", "stock_async", "sync", "async", "sync_1xchunk", "async_1xchunk")
+# Our worker with one request's chunk per prefill step (the anchors' rule,
+# and this plugin's before batched prefill): the burst workload only.
+ONE_ROW_MODES = ("sync_1xchunk", "async_1xchunk")
+MAX_MODEL_LEN = 512
 CACHE = Path.home() / ".cache" / "vllm_neuron_sched"
 # name -> (checkpoint folder, CheckpointSpec kwargs): the embedded tiny model
 # and a larger one (head_dim 64 in both: vLLM's CPU attention needs it).
@@ -61,6 +65,13 @@ def workloads(quick: bool, repeats: int) -> dict[str, dict[str, Any]]:
             "max_tokens": 128 // scale,
             "repeats": repeats,
         },
+        "burst": {  # a traffic spike: every request at once, then decode
+            "kind": "burst",
+            "num_requests": 64 // scale,
+            "prompt_len_range": [16, 256],
+            "max_tokens": 64,
+            "repeats": repeats,
+        },
         "mixed": {
             "kind": "mixed",
             "num_requests": 64 // scale,
@@ -88,10 +99,10 @@ def config_spec(
     path, _ = MODELS[model]
     engine_kwargs: dict[str, Any] = {
         "dtype": "float32",
-        "max_model_len": 512,
+        "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": 64,
         "seed": 0,
-        "async_scheduling": mode in ("stock_async", "async"),
+        "async_scheduling": mode in ("stock_async", "async", "async_1xchunk"),
     }
     if args.enforce_eager:
         engine_kwargs["enforce_eager"] = True
@@ -102,6 +113,8 @@ def config_spec(
     if args.quick and model == "large":
         names = [n for n in names if n == "decode_heavy"]
     names = [n for n in names if (n == "overlap") == (group == "overlap")]
+    if mode in ONE_ROW_MODES:
+        names = [n for n in names if n == "burst"]
     specs = []
     for name in names:
         spec = {"name": name, **all_workloads[name]}
@@ -111,6 +124,8 @@ def config_spec(
 
 
 def config_groups(model: str, mode: str, args: argparse.Namespace) -> list[str]:
+    if mode in ONE_ROW_MODES and "burst" not in args.workloads:
+        return []
     groups = ["main"]
     if "overlap" in args.workloads and model == "small" and mode in ("sync", "async"):
         groups.append("overlap")
@@ -130,7 +145,19 @@ def config_env(mode: str, group: str) -> dict[str, str]:
     }
     if group == "overlap":
         env["VLLM_NEURON_SCHED_DEVICE"] = "thread"
+    if mode in ONE_ROW_MODES:
+        env["VLLM_NEURON_SCHED_PREFILL_SHAPES"] = one_row_shapes(MAX_MODEL_LEN)
     return env
+
+
+def one_row_shapes(max_tokens: int) -> str:
+    """``1x16,1x32,...,1xMAX``: one request per prefill step, its chunk
+    padded to a power of two, as before batched prefill."""
+    shapes, tokens = [], 16
+    while tokens < max_tokens:
+        shapes.append(f"1x{tokens}")
+        tokens *= 2
+    return ",".join([*shapes, f"1x{max_tokens}"])
 
 
 def num_units(spec: dict[str, Any]) -> int:
@@ -213,6 +240,8 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
         "dead_tokens_per_request": {},
         "ttft_extra_steps": {},
         "steady_async_over": {},
+        "ttft_async_over_stock": {},
+        "burst": {},
     }
     peak_rss: dict[str, dict[str, float]] = {}
     for model, modes in raw.items():
@@ -231,6 +260,7 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
                         "output_tok_s",
                         "steady_tok_s",
                         "ttft_s",
+                        "ttft_p90_s",
                         "tpot_s",
                         "elapsed_s",
                     )
@@ -253,6 +283,19 @@ def summarize(raw: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any]:
                         other: paired_ratio(reps["async"], reps[other], "steady_tok_s")
                         for other in reps
                         if other != "async"
+                    }
+                if "stock" in reps:
+                    ratios["ttft_async_over_stock"][key] = paired_ratio(
+                        reps["async"], reps["stock"], "ttft_s"
+                    )
+                if name == "burst":
+                    ratios["burst"][key] = {
+                        f"{mode}_over_stock": {
+                            metric: paired_ratio(reps[mode], reps["stock"], metric)
+                            for metric in ("output_tok_s", "ttft_s", "ttft_p90_s")
+                        }
+                        for mode in reps
+                        if mode != "stock" and "stock" in reps
                     }
                 ratios["async_step_fraction"][key] = _step_fraction(reps["async"])
                 ratios["async_host_waits"][key] = spread(
@@ -426,8 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma list")
     parser.add_argument(
         "--workloads",
-        default="steady,decode_heavy,mixed,overlap",
-        help="comma list: steady,decode_heavy,mixed,overlap",
+        default="steady,decode_heavy,burst,mixed,overlap",
+        help="comma list: steady,decode_heavy,burst,mixed,overlap",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")

@@ -192,3 +192,45 @@ def test_a_burst_prefills_in_groups(stepper: EngineStepper) -> None:
     check(rows[0].kind == "prefill" and len(rows[0].scheduled) == 2, rows, "burst")
     for req_id, tokens in alone.items():
         check(client.tokens[req_id] == tokens, rows, f"{req_id} tokens")
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def cached_stepper(request, checkpoint_dir: str) -> Iterator[EngineStepper]:
+    engine = EngineStepper(
+        checkpoint_dir,
+        async_scheduling=request.param == "async",
+        eos_token_id=EOS,
+        max_num_batched_tokens=64,
+        block_size=32,
+        enable_prefix_caching=True,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_prefix_hits_of_different_lengths_in_one_group(
+    cached_stepper: EngineStepper,
+) -> None:
+    """One prefill step holds requests whose cached prefixes differ (3 blocks,
+    1 block, none): each row starts at its own position and pads to the
+    step's shape; the tokens equal those computed with an empty cache."""
+    base = tuple((11 * i + 3) % 900 + 10 for i in range(120))
+    group = [
+        Req("long_hit", 0, 6, prompt=base[:100] + (17, 18)),
+        Req("short_hit", 0, 6, prompt=base[:40] + (19,)),
+        Req("no_hit", 0, 6, prompt=tuple(range(500, 530))),
+    ]
+    cached_stepper.run([Req("warm", 0, 2, prompt=base[:100])])
+    rows, hit = cached_stepper.run(group)
+    cached_stepper.engine.reset_prefix_cache()
+    fresh_rows, fresh = cached_stepper.run(group)
+    table = format_table(rows) + "\n" + format_table(fresh_rows)
+
+    def prompt_tokens(rows: list[Row]) -> int:
+        return sum(sum(r.scheduled.values()) for r in rows if r.kind == "prefill")
+
+    # The cached run skips at least long_hit's three cached blocks.
+    assert prompt_tokens(rows) <= prompt_tokens(fresh_rows) - 96, table
+    check(len(rows[0].scheduled) == 3, rows, "one step for the group")
+    for req in group:
+        assert hit.tokens[req.req_id] == fresh.tokens[req.req_id], table

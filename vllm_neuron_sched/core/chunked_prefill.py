@@ -114,7 +114,7 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             and can_decode
         )
         if candidates and not blocked_by_interleaving:
-            left = [r.num_tokens - r.num_computed_tokens for r in candidates]
+            left = [self.prompt_tokens_left(r) for r in candidates]
             shape, count = pick_shape(left, self.prefill_shapes)
             return StepPlan(StepPlanKind.PREFILL, tuple(candidates[:count]), shape)
         if can_decode:
@@ -151,6 +151,14 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
 
     def ongoing_prefills(self) -> list["Request"]:
         return [r for r in self.running if r.is_prefill_chunk]
+
+    def prompt_tokens_left(self, request: "Request") -> int:
+        """Prompt tokens the request still has to run, after the prefix its
+        first step will take from the prefix cache (vLLM's own lookup)."""
+        computed = request.num_computed_tokens
+        if request.status != RequestStatus.RUNNING and not computed:
+            computed = self.kv_cache_manager.get_computed_blocks(request)[1]
+        return request.num_tokens - computed
 
     def decoding_requests(self) -> list["Request"]:
         return [r for r in self.running if not r.is_prefill_chunk]

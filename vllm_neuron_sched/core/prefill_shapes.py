@@ -16,9 +16,10 @@ ENV = "VLLM_NEURON_SCHED_PREFILL_SHAPES"
 # this many (or the whole step budget, if smaller) up to the step budget.
 _MIN_DEFAULT_TOKENS = 16
 # A step's fixed cost (engine core, host, launch), in tokens of compute: a
-# shape is scored by real tokens / (padded tokens + this). Measured on the
-# 2-core CPU: a decode step of the small model costs about as much as 60
-# prefill tokens beyond its own (benchmarks/README.md).
+# shape is scored by real tokens / (padded tokens + this). On the 2-core CPU
+# (docs/design.md section 8) a small-model prefill step costs ~5.5 ms plus
+# ~0.043 ms per token (~130 tokens of fixed cost); the large model's tokens
+# cost ~10x more, so its fixed cost is worth ~15. 64 sits between.
 STEP_OVERHEAD_TOKENS = 64
 
 
@@ -96,12 +97,14 @@ def pick_shape(
     """The shape for a prefill step over candidates (prompt tokens left per
     request, in the order they may join) and how many of them it takes, the
     first ones: the most real tokens per unit of cost (padded tokens plus a
-    step's fixed cost), then the most real tokens, then the smallest shape."""
-    best: tuple[tuple[float, int, int], PrefillShape, int] | None = None
+    step's fixed cost), then the most real tokens, then the most requests
+    (each starts sooner), then the smallest shape."""
+    best: tuple[tuple[float, int, int, int], PrefillShape, int] | None = None
     for shape in shapes:
         count = min(shape.rows, len(remaining))
         real = sum(min(left, shape.tokens) for left in remaining[:count])
-        score = (real / (shape.size + STEP_OVERHEAD_TOKENS), real, -shape.size)
+        cost = shape.size + STEP_OVERHEAD_TOKENS
+        score = (real / cost, real, count, -shape.size)
         if best is None or score > best[0]:
             best = (score, shape, count)
     assert best is not None, "no prefill shape"

@@ -27,7 +27,7 @@ class Execution:
     """One enqueued call and the future its output goes to."""
 
     fn: Callable[..., Any]
-    args: tuple[Any, ...]  # may hold DeviceFutures, nested in list/tuple/dict
+    args: tuple[Any, ...]  # may hold DeviceFutures (top level only)
     kwargs: dict[str, Any]  # same
     future: DeviceFuture[Any]
     tag: int = 0  # the host's ``Device.tag`` at enqueue (the worker's step)
@@ -72,8 +72,9 @@ class Device(ABC):
     def enqueue(
         self, fn: Callable[..., T], *args: Any, **kwargs: Any
     ) -> DeviceFuture[T]:
-        """Queues ``fn(*args, **kwargs)``; futures among the inputs are replaced
-        by their results on the device side, never by a host read here."""
+        """Queues ``fn(*args, **kwargs)``; futures among the arguments (not
+        nested in them) are replaced by their results on the device side,
+        never by a host read here."""
         return self._enqueue(fn, args, kwargs, updates_state=False)
 
     def enqueue_state_update(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -143,8 +144,7 @@ class Device(ABC):
             future._set_exception(error)
             return
         try:
-            args = resolve_futures(execution.args)
-            kwargs = resolve_futures(execution.kwargs)
+            args, kwargs = resolve_futures(execution.args, execution.kwargs)
         except DeviceStateError as unknown_state:
             future._set_exception(unknown_state)
             return

@@ -115,23 +115,19 @@ class DeviceFuture(Generic[T]):
         return True
 
 
-def resolve_futures(value: Any) -> Any:
-    """Replaces DeviceFutures, top level or nested in list/tuple/dict, by their
-    results (blocking). A container holding no future is returned as the same
-    object, so an execution may still mutate its host buffers in place."""
-    if isinstance(value, DeviceFuture):
-        return value.result()
-    if isinstance(value, dict):
-        items = {key: resolve_futures(item) for key, item in value.items()}
-        is_same = all(items[key] is item for key, item in value.items())
-        return value if is_same else items
-    if isinstance(value, list | tuple):
-        resolved = [resolve_futures(item) for item in value]
-        if all(new is old for new, old in zip(resolved, value)):
-            return value
-        if isinstance(value, list):
-            return resolved
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*resolved)
-        return tuple(resolved)
-    return value
+def resolve_futures(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Replaces the futures among the arguments (top level only) by their
+    results. Arguments are never searched for nested futures: a step hands
+    over whole tensors, lists of them and dicts keyed by layer (one entry per
+    layer on a real model), and walking them per execution costs host time
+    on every step for the one input that is a future (sampling's logits)."""
+    if any(isinstance(a, DeviceFuture) for a in args):
+        args = tuple(a.result() if isinstance(a, DeviceFuture) else a for a in args)
+    if any(isinstance(v, DeviceFuture) for v in kwargs.values()):
+        kwargs = {
+            k: v.result() if isinstance(v, DeviceFuture) else v
+            for k, v in kwargs.items()
+        }
+    return args, kwargs

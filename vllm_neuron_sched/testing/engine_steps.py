@@ -63,8 +63,12 @@ class Req:
     eos_at: int | None = None
     stop: tuple[str, ...] = ()
     abort_at: int | None = None
+    # The prompt's token ids; None: made from the request id (prompt_len).
+    prompt: tuple[int, ...] | None = None
 
     def prompt_token_ids(self) -> list[int]:
+        if self.prompt is not None:
+            return list(self.prompt)
         seed = sum(map(ord, self.req_id))
         return [(seed * 31 + 7 * i) % 900 + 10 for i in range(self.prompt_len)]
 
