@@ -158,6 +158,10 @@ def test_seeded_sampling_async_equals_sync(engines: Callable[[str], Any]) -> Non
     assert [o["token_ids"] for o in ours_async] == [o["token_ids"] for o in ours_sync]
     again = generate(llm_async, prompts, _seeded_params())
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in ours_async]
+    # Whoever shares its prefill step, a seeded request samples the same.
+    for i in (0, 3):
+        alone = generate(llm_async, [prompts[i]], [_seeded_params()[i]])
+        assert alone[0]["token_ids"] == ours_async[i]["token_ids"]
 
 
 @pytest.fixture(scope="module")
