@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     VLLM_NEURON_SCHED_METRICS_DIR: str = ""
     VLLM_NEURON_SCHED_FAULT_AT_EXECUTION: int = 0
 
-# The device backends (runtime/backends.py registers one class per kind but
-# "auto"). A port to real hardware adds its kind here and there.
+# The one list of device kinds: "auto", then one per backend class in
+# runtime/backends.py (which asserts that at import). Kept here, free of
+# imports, so the variable is checked in processes that load no backend.
 DEVICE_KINDS = ("auto", "thread", "inline")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 

@@ -3,90 +3,55 @@
 A port to real hardware adds a backend here: docs/design.md, section 9, says
 what it must implement and which tests to run against it."""
 
-import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from vllm.logger import init_logger
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.runtime.device import Device, Execution
-from vllm_neuron_sched.runtime.future import DeviceFuture, DeviceShutdownError
+from vllm_neuron_sched.runtime.future import DeviceShutdownError
 
 logger = init_logger(__name__)
 
-_STOP = object()  # queue sentinel: the device thread exits
-
 
 class ThreadDevice(Device):
-    """One daemon device thread runs executions FIFO, so enqueue never waits.
+    """A one-worker ``ThreadPoolExecutor`` runs executions FIFO on its thread
+    (named ``<label>_0``), so enqueue never waits.
 
     No lock is held while an execution runs: torch releases the GIL inside its
     kernels, so the host thread keeps scheduling while the device computes.
+
+    The thread is not a daemon: the interpreter joins it at exit, after what
+    is queued has run, instead of killing it inside a torch kernel while the
+    interpreter tears down. A worker whose execution hangs (a collective whose
+    peer died) therefore does not exit by itself; vLLM's executor kills such
+    workers (SIGTERM, then SIGKILL, after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
     """
 
-    name = "thread"
+    kind = "thread"
 
     def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
         super().__init__(label, sim_device_ms)
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards the two fields below
-        self._is_shut_down = False
-        self._unfinished: set[DeviceFuture[object]] = set()
-        self._idle = threading.Condition(self._lock)
-        self._thread = threading.Thread(
-            target=self._run_loop, name=f"{label}-thread", daemon=True
-        )
-        self._thread.start()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=label)
+        self._submit_lock = threading.Lock()  # shutdown sees the last submit
+        self._last: Future[None] | None = None  # the newest execution's run
 
-    def synchronize(self) -> None:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("synchronize() from the device thread would deadlock")
-        with self._idle:
-            self._idle.wait_for(lambda: not self._unfinished)
-
-    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> None:
-        abandoned: list[DeviceFuture[object]] = []
-        with self._lock:
-            if not self._is_shut_down:
-                self._is_shut_down = True
-                self._queue.put(_STOP)
-            if not wait:
-                abandoned = list(self._unfinished)
-                self._unfinished.clear()
-                self._idle.notify_all()
-        for future in abandoned:
-            future._set_exception(
-                DeviceShutdownError(
-                    f"device {self.label!r} shut down before this execution completed"
-                )
-            )
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                logger.warning(
-                    "Device %s still running %s s into shutdown", self.label, timeout_s
-                )
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        with self._submit_lock:
+            self._executor.shutdown(wait=False)  # queued executions still run
+            last = self._last
+        if last is not None and wait((last,), timeout_s).not_done:
+            _warn_still_running(self, timeout_s)
 
     def _submit(self, execution: Execution) -> None:
-        with self._lock:
-            if self._is_shut_down:
-                raise DeviceShutdownError(f"device {self.label!r} is shut down")
-            self._unfinished.add(execution.future)
-            self._queue.put(execution)
-
-    def _run_loop(self) -> None:
-        while (execution := self._queue.get()) is not _STOP:
-            assert isinstance(execution, Execution)
-            if not execution.future.done():  # done = abandoned by shutdown
-                try:
-                    self._execute(execution)
-                except BaseException as exc:  # keep the device thread alive
-                    execution.future._set_exception(exc)
-            with self._lock:
-                self._unfinished.discard(execution.future)
-                if not self._unfinished:
-                    self._idle.notify_all()
-        logger.debug("Device thread %s exits", self._thread.name)
+        with self._submit_lock:
+            try:
+                self._last = self._executor.submit(self._run, execution)
+            except RuntimeError:  # "cannot schedule new futures after shutdown"
+                raise DeviceShutdownError(
+                    f"device {self.label!r} is shut down"
+                ) from None
 
 
 class InlineDevice(Device):
@@ -95,7 +60,7 @@ class InlineDevice(Device):
     flow are the same as on any other backend (only their timing differs), and
     errors still surface only at ``result()``, as on a real device."""
 
-    name = "inline"
+    kind = "inline"
     runs_at_enqueue = True
 
     def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
@@ -103,31 +68,44 @@ class InlineDevice(Device):
         self._lock = threading.Lock()  # one execution at a time across callers
         self._is_shut_down = False
 
-    def synchronize(self) -> None:
-        """Nothing to wait for: each execution completed inside its enqueue."""
-
-    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> None:
-        self._is_shut_down = True
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        self._is_shut_down = True  # nothing is queued; refuse enqueues from now
+        # An execution another thread enqueued may still run: wait it out.
+        if self._lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            self._lock.release()
+        else:
+            _warn_still_running(self, timeout_s)
 
     def _submit(self, execution: Execution) -> None:
-        if self._is_shut_down:
-            raise DeviceShutdownError(f"device {self.label!r} is shut down")
         with self._lock:
-            self._execute(execution)
+            if self._is_shut_down:
+                raise DeviceShutdownError(f"device {self.label!r} is shut down")
+            self._run(execution)
 
 
-# Every backend kind but "auto" (envs.DEVICE_KINDS lists the same kinds).
+def _warn_still_running(device: Device, timeout_s: float | None) -> None:
+    logger.warning(
+        "Device %s still running %s s into shutdown", device.label, timeout_s
+    )
+
+
+# Kind -> backend. envs.DEVICE_KINDS is the one list of kinds: the variable is
+# checked against it at start-up, in processes that never import a backend.
 DEVICE_BACKENDS: dict[str, type[Device]] = {
-    "thread": ThreadDevice,
-    "inline": InlineDevice,
+    backend.kind: backend for backend in (ThreadDevice, InlineDevice)
 }
+assert ("auto", *DEVICE_BACKENDS) == envs.DEVICE_KINDS, (
+    f"envs.DEVICE_KINDS {envs.DEVICE_KINDS} must list 'auto' and then exactly "
+    f"the registered backends {tuple(DEVICE_BACKENDS)}"
+)
 
 
 def make_device(
-    kind: str | None = None, sim_device_ms: float | None = None, name: str = "device"
+    kind: str | None = None, sim_device_ms: float | None = None, label: str = "device"
 ) -> Device:
-    """The device a worker runs on; unset arguments come from ``envs``
-    (VLLM_NEURON_SCHED_DEVICE, VLLM_NEURON_SCHED_SIM_DEVICE_MS).
+    """The device a worker runs on, ``label`` naming it in threads, futures and
+    logs; unset arguments come from ``envs`` (VLLM_NEURON_SCHED_DEVICE,
+    VLLM_NEURON_SCHED_SIM_DEVICE_MS).
 
     ``auto`` picks ``inline`` when the device is the CPU worker's own cores
     and ``thread`` when executions also hold a simulated device. On the CPU
@@ -147,12 +125,11 @@ def make_device(
     backend = DEVICE_BACKENDS.get(kind)
     if backend is None:
         raise ValueError(
-            f"unknown device kind {kind!r}; valid kinds: "
-            f"auto, {', '.join(DEVICE_BACKENDS)}"
+            f"unknown device kind {kind!r}; valid kinds: {', '.join(envs.DEVICE_KINDS)}"
         )
     if sim_device_ms < 0:
         raise ValueError(f"sim_device_ms must be >= 0, got {sim_device_ms}")
     logger.debug(
-        "Device %r: %s backend, simulated latency %.1f ms", name, kind, sim_device_ms
+        "Device %r: %s backend, simulated latency %.1f ms", label, kind, sim_device_ms
     )
-    return backend(name, sim_device_ms)
+    return backend(label, sim_device_ms)

@@ -14,7 +14,6 @@ from vllm_neuron_sched.runtime.future import (
     DeviceExecutionError,
     DeviceFuture,
     DeviceStateError,
-    resolve_futures,
 )
 
 logger = init_logger(__name__)
@@ -47,19 +46,17 @@ class Device(ABC):
     unknown state reaches anyone.
     """
 
-    name: str = "device"  # backend kind: "thread" | "inline" | "neuron"
+    kind: str  # the backend, as VLLM_NEURON_SCHED_DEVICE names it
     # True: an execution completes inside enqueue(), on the caller's thread,
     # so nothing it reads can change under it.
     runs_at_enqueue: bool = False
 
     def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
-        self.label = label  # names the device thread and log lines
+        self.label = label  # names the device thread, futures and log lines
         self.sim_device_s = sim_device_ms / 1000.0
-        self._stats_lock = threading.Lock()
-        self._num_executions = 0
-        self._busy_s = 0.0
         # Reliability tests: this execution (1-based) raises; 0 = never.
         self.fault_at_execution = envs.VLLM_NEURON_SCHED_FAULT_AT_EXECUTION
+        self._count_lock = threading.Lock()  # guards the count below
         self._num_enqueued = 0
         # The failure of a state update: set once, on the executing thread.
         self._state_failure: BaseException | None = None
@@ -86,8 +83,20 @@ class Device(ABC):
     def fail_execution_after(self, num_executions: int) -> None:
         """Reliability tests: the ``num_executions``-th execution enqueued from
         now raises instead of running (1: the next one)."""
-        with self._stats_lock:
+        with self._count_lock:
             self.fault_at_execution = self._num_enqueued + num_executions
+
+    @abstractmethod
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stops the device (idempotent): what is queued completes, and it
+        returns once the device has stopped (or ``timeout_s`` passed, with a
+        warning), so nothing an execution uses is released under it. Later
+        enqueues raise ``DeviceShutdownError``."""
+
+    @abstractmethod
+    def _submit(self, execution: Execution) -> None:
+        """Hands one execution to the backend, which runs it with ``_run``;
+        raises ``DeviceShutdownError`` if shut down."""
 
     def _enqueue(
         self,
@@ -98,65 +107,39 @@ class Device(ABC):
     ) -> DeviceFuture[T]:
         fn_name = getattr(fn, "__qualname__", repr(fn))
         future: DeviceFuture[T] = DeviceFuture(f"{self.label}:{fn_name}")
-        with self._stats_lock:
+        with self._count_lock:
             self._num_enqueued += 1
             number = self._num_enqueued
-        execution = Execution(fn, args, kwargs, future, self.tag, number, updates_state)
-        self._submit(execution)
+        self._submit(
+            Execution(fn, args, kwargs, future, self.tag, number, updates_state)
+        )
         return future
 
-    @abstractmethod
-    def synchronize(self) -> None:
-        """Waits until every execution enqueued so far has completed."""
-
-    @abstractmethod
-    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> None:
-        """Stops the device (idempotent). wait=True completes queued work and
-        returns once the device has stopped (or ``timeout_s`` passed), so
-        nothing an execution uses is released under it; wait=False fails
-        unfinished futures with DeviceShutdownError and returns at once."""
-
-    @abstractmethod
-    def _submit(self, execution: Execution) -> None:
-        """Hands one execution to the backend; raises if shut down."""
-
-    @property
-    def busy_time_s(self) -> float:
-        """Seconds spent executing: fn time plus simulated latency."""
-        with self._stats_lock:
-            return self._busy_s
-
-    def stats(self) -> dict[str, float]:
-        """Measured device time, for the benchmark's per-step accounting."""
-        with self._stats_lock:
-            return {"executions": self._num_executions, "busy_s": self._busy_s}
+    def _run(self, execution: Execution) -> None:
+        """Runs one execution on the calling thread and completes its future,
+        even if something escapes ``_execute`` (an ``on_execution`` callback
+        that raised); only a non-``Exception`` (SystemExit) also goes up."""
+        try:
+            self._execute(execution)
+        except BaseException as exc:
+            execution.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
 
     def _execute(self, execution: Execution) -> None:
-        """Runs one execution on the calling thread and completes its future;
-        an exception goes into the future, never up the device thread."""
+        """The contract's rules around ``fn``; every outcome, failures
+        included, goes into the future."""
         future = execution.future
-        if self._state_failure is not None:
-            error = DeviceStateError(
-                f"{future._label} not run: the device state is unknown since a "
-                f"state update failed ({self._state_failure!r})"
-            )
-            error.__cause__ = self._state_failure
-            future._set_exception(error)
-            return
         try:
-            args, kwargs = resolve_futures(execution.args, execution.kwargs)
-        except DeviceStateError as unknown_state:
-            future._set_exception(unknown_state)
-            return
-        except DeviceExecutionError as upstream:
-            root: BaseException = upstream
-            while root.__cause__ is not None:
-                root = root.__cause__
-            error = DeviceExecutionError(
-                f"an input of {future._label} failed upstream: {root!r}"
-            )
-            error.__cause__ = upstream
-            future._set_exception(error)
+            if self._state_failure is not None:
+                raise DeviceStateError(
+                    f"{future.label} not run: the device state is unknown since "
+                    f"a state update failed ({self._state_failure!r})"
+                ) from self._state_failure
+            args = tuple(_resolve(a, future.label) for a in execution.args)
+            kwargs = {k: _resolve(v, future.label) for k, v in execution.kwargs.items()}
+        except DeviceExecutionError as not_run:  # the state or an input failed
+            future.set_exception(not_run)
             return
         start = time.perf_counter()
         try:
@@ -166,30 +149,48 @@ class Device(ABC):
                 )
             value = execution.fn(*args, **kwargs)
         except Exception as exc:
-            logger.debug("Device %s: %s raised %r", self.label, future._label, exc)
+            logger.debug("Device %s: %s raised %r", self.label, future.label, exc)
             if execution.updates_state:
                 logger.error(
                     "Device %s: state update %s failed; every later execution "
                     "will fail",
                     self.label,
-                    future._label,
+                    future.label,
                     exc_info=exc,
                 )
                 self._state_failure = exc
-            self._hold_and_record(execution, start)
-            future._set_exception(exc)
+            self._hold_and_report(execution, start)
+            future.set_exception(exc)
         else:
-            self._hold_and_record(execution, start)
-            future._set_result(value)
+            self._hold_and_report(execution, start)
+            future.set_result(value)
 
-    def _hold_and_record(self, execution: Execution, start: float) -> None:
+    def _hold_and_report(self, execution: Execution, start: float) -> None:
         """Simulated latency: the device stays held (the output not ready)
         without using a core, so overlap can be measured on CPU."""
         if self.sim_device_s > 0:
             time.sleep(self.sim_device_s)
-        end = time.perf_counter()
-        with self._stats_lock:
-            self._num_executions += 1
-            self._busy_s += end - start
         if self.on_execution is not None:
-            self.on_execution(execution.future._label, execution.tag, start, end)
+            self.on_execution(
+                execution.future.label, execution.tag, start, time.perf_counter()
+            )
+
+
+def _resolve(arg: Any, label: str) -> Any:
+    """An argument as the execution sees it: a future (top level only; never
+    searched for inside containers, which hold a step's tensors) becomes its
+    result. Executions run in enqueue order, so it is done by now. A failed
+    input fails execution ``label`` ("failed upstream", naming the root
+    cause). An input cannot fail with ``DeviceStateError``: that error
+    means this device's state failed, which ``_execute`` checks first."""
+    if not isinstance(arg, DeviceFuture):
+        return arg
+    try:
+        return arg.result()
+    except DeviceExecutionError as upstream:
+        root: BaseException = upstream
+        while root.__cause__ is not None:
+            root = root.__cause__
+        raise DeviceExecutionError(
+            f"an input of {label} failed upstream: {root!r}"
+        ) from upstream

@@ -2,45 +2,37 @@
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class Materializer(Generic[T]):
-    """Runs a host materialization function at most once, whichever thread
-    calls get() first; others block and see the same result (or same exception).
+    """Runs a host materialization function at most once, on whichever thread
+    calls get() first; the others wait for it and see the same result (or the
+    same exception).
 
     The scheduler thread and the output thread may both reach for the same
-    sampled tokens; a per-object lock keeps the copy (and its cost) single.
+    sampled tokens; the first to take the function makes the copy (and pays
+    for it) once. The library lacks only that claim: a Future is the rest.
     """
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn: Callable[[], T] | None = fn
-        self._lock = threading.Lock()
-        self._is_done = False
-        self._value: T | None = None
-        self._exception: BaseException | None = None
+        self._claim = threading.Lock()
+        self._result: Future[T] = Future()
 
     def get(self) -> T:
-        if not self._is_done:
-            with self._lock:
-                if not self._is_done:
-                    self._run()
-        if self._exception is not None:
-            raise self._exception
-        return self._value  # type: ignore[return-value]
+        with self._claim:
+            fn, self._fn = self._fn, None  # also drops captured device buffers
+        if fn is not None:
+            try:
+                self._result.set_result(fn())
+            except BaseException as exc:
+                self._result.set_exception(exc)
+        return self._result.result()
 
     def is_materialized(self) -> bool:
         """True once the function ran, whether it succeeded or raised."""
-        return self._is_done
-
-    def _run(self) -> None:
-        fn, self._fn = self._fn, None  # drop captured device buffers once run
-        assert fn is not None
-        try:
-            self._value = fn()
-        except BaseException as exc:
-            self._exception = exc
-        finally:
-            self._is_done = True
+        return self._result.done()

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
@@ -25,13 +24,13 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_neuron_sched.platform import (
     ASYNC_CHUNKED_PREFILL_SCHEDULER as ASYNC_SCHEDULER,
 )
 from vllm_neuron_sched.platform import CHUNKED_PREFILL_SCHEDULER as SYNC_SCHEDULER
-from vllm_neuron_sched.worker import model_runner as model_runner_module
+from vllm_neuron_sched.runtime import make_device
+from vllm_neuron_sched.worker.async_flow import FlowObserver, StepState
 from vllm_neuron_sched.worker.model_runner import NeuronSchedModelRunner
 
 VOCAB = 97
@@ -122,7 +121,12 @@ def toy_runner(
     if scheduler_cls is None:
         scheduler_cls = ASYNC_SCHEDULER if is_async else SYNC_SCHEDULER
     config = SimpleNamespace(
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
+            data_parallel_size=1,
+            use_sequence_parallel_moe=False,
+            is_moe_model=False,
+        ),
         speculative_config=None,
         model_config=SimpleNamespace(
             max_model_len=MAX_LEN,
@@ -131,8 +135,11 @@ def toy_runner(
             runner_type="generate",
             logits_processors=None,
         ),
-        cache_config=None,
-        compilation_config=None,
+        compilation_config=SimpleNamespace(
+            static_forward_context={},
+            fast_moe_cold_start=False,
+            static_all_moe_layers=[],
+        ),
         scheduler_config=SimpleNamespace(
             scheduler_cls=scheduler_cls,
             async_scheduling=is_async,
@@ -140,37 +147,17 @@ def toy_runner(
             max_num_batched_tokens=CHUNK,
         ),
     )
-    no_context = mock.patch.object(
-        model_runner_module,
-        "set_forward_context",
-        lambda *args, **kwargs: contextlib.nullcontext(),
-    )
-    rank_zero = mock.patch.object(
-        model_runner_module,
-        "get_tp_group",
-        lambda: SimpleNamespace(rank_in_group=0, world_size=1),
-    )
-    with no_context, rank_zero:
-        runner = NeuronSchedModelRunner(config, torch.device("cpu"))  # type: ignore[arg-type]
-        runner.model = ToyModel(repeat_bias, max_delay_s)
-        runner.input_batch = InputBatch(
-            max_num_reqs=MAX_NUM_SEQS,
-            max_model_len=MAX_LEN,
-            max_num_batched_tokens=CHUNK,
-            device=torch.device("cpu"),
-            vocab_size=VOCAB,
-            block_sizes=[16],
-            max_num_blocks_per_req=[MAX_LEN // 16],
-            logitsprocs=LogitsProcessors(),
-        )
-        batch = runner.input_batch
-        MainThreadOnlyArray.foreign_writers.clear()
-        batch.token_ids_cpu = batch.token_ids_cpu.view(MainThreadOnlyArray)
-        batch.num_tokens_no_spec = batch.num_tokens_no_spec.view(MainThreadOnlyArray)
-        try:
-            yield runner
-        finally:
-            runner.shutdown()
+    rank_zero = SimpleNamespace(rank_in_group=0, world_size=1)
+    runner = NeuronSchedModelRunner(config, rank_zero, make_device(label="tp0"))  # type: ignore[arg-type]
+    runner.model = ToyModel(repeat_bias, max_delay_s)
+    batch = runner.host.allocate_batch([16], LogitsProcessors())
+    MainThreadOnlyArray.foreign_writers.clear()
+    batch.token_ids_cpu = batch.token_ids_cpu.view(MainThreadOnlyArray)
+    batch.num_tokens_no_spec = batch.num_tokens_no_spec.view(MainThreadOnlyArray)
+    try:
+        yield runner
+    finally:
+        runner.shutdown()
 
 
 def run_step(
@@ -276,6 +263,21 @@ def scheduler_output(
     )
 
 
+class _StepStates(FlowObserver):
+    def __init__(self) -> None:
+        self.states: list[StepState] = []
+
+    def step_ended(self, step: int, state: StepState) -> None:
+        self.states.append(state)
+
+
+def record_step_states(runner: NeuronSchedModelRunner) -> list[StepState]:
+    """A list that the runner's flow appends each ended step's state to."""
+    recorder = _StepStates()
+    runner.flow.subscribe(recorder)
+    return recorder.states
+
+
 def record_timeline(
     is_async: bool, num_decodes: int, output_thread: bool = False
 ) -> dict[str, Any]:
@@ -325,13 +327,13 @@ class EngineLoop:
         self.depth = depth
         self.tokens: dict[str, list[int]] = {}
         self.failed: dict[str, str] = {}
-        self.states: list[Any] = []  # the flow's state after each step
+        # How the flow classed each step that ran, in order.
+        self.states = record_step_states(runner)
         self._unread: list[ModelRunnerOutput | AsyncModelRunnerOutput] = []
 
     def run(self, *steps: SchedulerOutput) -> None:
         for step in steps:
             self._unread.append(run_step(self.runner, step))
-            self.states.append(self.runner.flow.state)
             while len(self._unread) >= self.depth:
                 self.read_oldest()
 

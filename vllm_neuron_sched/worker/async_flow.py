@@ -1,17 +1,12 @@
-"""The async flow: the one owner of what is on the device.
+"""The async flow: the steps in flight on the device, and when they retire.
 
 Every sampling step leaves its tokens on the device twice over: in its own
 result (which the engine reads back later, on the executor's output thread)
-and in the *device token table*, one entry per live request (its token slot),
-written by the sampling execution itself. A later step's decode rows read
-their input ids from that table, on the device. So step N's tokens are step
-N+1's input ids without a host round trip whatever happens to the batch in
-between: requests joining after their prefill, finishing, aborted, reordered,
-prompt chunks of other requests running in between. Only prompt tokens come
-from the host.
+and in the device token table (``token_table.py``), from which later steps'
+decode rows take their input ids. Only prompt tokens come from the host.
 
-Host state learns the tokens when a step *retires*: its output is applied to
-the request histories (placeholders filled) at the start of a later step,
+Host state (``host_state.py``) learns the tokens when a step *retires*: its
+output fills the request histories' placeholders at the start of a later step,
 once the engine has read that output (the batch queue is two deep, so it has
 by then). Each step ends in one of three states, counted by *structure*, not
 by timing, so the counts are the same on every backend however fast its
@@ -36,9 +31,9 @@ the batch queue's depth bounds it: when step N arrives, the engine has
 processed every step up to N - depth.
 
 Threads: the worker's main thread owns this object. The device thread only
-runs the executions the main thread enqueues; they alone read and write the
-token table (``DeviceTokens``). The executor's output thread only
-materializes outputs (``InFlightStep.output``), which touches no host state.
+runs the executions the main thread enqueues. The executor's output thread
+only materializes outputs (``InFlightStep.output``), which touches no host
+state.
 """
 
 import time
@@ -49,84 +44,20 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from vllm_neuron_sched.core.step_view import BatchShape
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from vllm_neuron_sched.runtime import DeviceFuture, Materializer
-    from vllm_neuron_sched.runtime.device import Device
+    from vllm_neuron_sched.runtime import Device, DeviceFuture, Materializer
+    from vllm_neuron_sched.worker.host_state import HostRequestState, Placeholders
 
 
 class StepState(Enum):
     ASYNC = "async"
     HOST_INPUTS = "host inputs"
     SYNC_FALLBACK = "sync fallback"
-
-
-# Slot 0 of the token table is the padding slot: padded and non-sampling rows
-# write there, and nothing real reads it.
-PAD_SLOT = 0
-
-
-class DeviceTokens:
-    """The newest sampled token of every live request, on the device.
-
-    The host assigns and frees slots; only device executions touch the table
-    (``read`` in a forward, ``write`` after sampling, in enqueue order), so the
-    host never reads, writes or resizes storage an execution may be using.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self._slot_of: dict[str, int] = {}
-        self._free: list[int] = list(range(capacity, 0, -1))
-        self._capacity = capacity
-        self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
-
-    def assign(self, req_id: str, device: "Device") -> int:
-        """A slot for a request joining the batch (kept until ``release``)."""
-        if (slot := self._slot_of.get(req_id)) is not None:
-            return slot
-        if not self._free:
-            # More live requests than ever (preempted ones wait with their
-            # slot): the table grows on the device, after what is queued.
-            new_capacity = 2 * self._capacity
-            self._free = list(range(new_capacity, self._capacity, -1))
-            self._capacity = new_capacity
-            device.enqueue_state_update(self._grow, new_capacity + 1)
-        slot = self._slot_of[req_id] = self._free.pop()
-        return slot
-
-    @property
-    def capacity(self) -> int:
-        """Slots the table has (the padding slot aside)."""
-        return self._capacity
-
-    def release(self, req_id: str) -> None:
-        if (slot := self._slot_of.pop(req_id, None)) is not None:
-            self._free.append(slot)
-
-    def slots(self, req_ids: list[str] | tuple[str, ...]) -> np.ndarray:
-        return np.fromiter(
-            (self._slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-
-    # ---- device side: called inside device executions only ----------------
-
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._table[slots]
-
-    def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        self._table[slots] = tokens
-
-    def _grow(self, size: int) -> None:
-        table = torch.zeros(size, dtype=torch.int32)
-        table[: self._table.shape[0]] = self._table
-        self._table = table
 
 
 @dataclass
@@ -139,9 +70,8 @@ class InFlightStep:
     # rows all run prompt chunks that are not their last.
     result: "DeviceFuture[Any]"
     output: "Materializer[ModelRunnerOutput]"
-    # req_id -> (the request's output_token_ids, index of its placeholder);
-    # the list is held here so a finished request's history is completed too.
-    placeholders: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    # The sampling rows' placeholders, filled when the step retires.
+    placeholders: "Placeholders" = field(default_factory=dict)
 
     def is_materialized(self) -> bool:
         """Some thread has turned the output into host data."""
@@ -170,6 +100,9 @@ class FlowObserver:
     def executed(self, label: str, step: int, start: float, end: float) -> None:
         """One device execution, on the thread that ran it."""
 
+    def step_ended(self, step: int, state: StepState) -> None:
+        """Main thread: how a step that enqueued work was classified."""
+
     def retired(self, step: InFlightStep) -> None:
         """Main thread: the step's tokens are now in host state."""
 
@@ -179,28 +112,24 @@ class FlowObserver:
 
 
 class AsyncFlow:
-    """``is_output_rank``: the engine reads this worker's outputs (TP rank 0).
-    ``queue_depth``: steps the engine keeps in flight (2 with async
-    scheduling, 1 without)."""
+    """``host``: where a retired step's tokens go. ``is_output_rank``: the
+    engine reads this worker's outputs (TP rank 0). ``queue_depth``: steps the
+    engine keeps in flight (2 with async scheduling, 1 without)."""
 
     def __init__(
         self,
         device: "Device",
-        capacity: int,
-        apply: Any,
+        host: "HostRequestState",
         is_output_rank: bool = True,
         queue_depth: int = 2,
     ) -> None:
         self.device = device
-        self.tokens = DeviceTokens(capacity)
-        # Applies a retired step's tokens to host state (the runner's).
-        self._apply = apply
+        self.host = host
         self.is_output_rank = is_output_rank
         self.queue_depth = queue_depth
         self.in_flight: deque[InFlightStep] = deque()
         self.max_in_flight = 0
         self.step = 0
-        self.state: StepState | None = None
         # The current step needed a device result the engine had not read.
         self._needed_unread = False
         self._observers: list[FlowObserver] = []
@@ -233,7 +162,6 @@ class AsyncFlow:
         counts the dead tokens of requests that stopped."""
         self.step += 1
         self.device.tag = self.step
-        self.state = None
         self._needed_unread = False
         for observer in self._observers:
             observer.step_began(self.step, scheduler_output)
@@ -244,32 +172,31 @@ class AsyncFlow:
                 self.dead_tokens += len(finished & previous.placeholders.keys())
         self.retire(keep_newest=True)
 
-    def finish_request(self, req_id: str, history: list[int]) -> None:
-        """The request stopped or was aborted: its slot is free for the next
-        request (an enqueued step may still write it; a new owner's writes
-        and reads come after, in device order)."""
-        self.tokens.release(req_id)
-        for observer in self._observers:
-            observer.request_finished(req_id, history)
+    def requests_finished(self, finished: list[tuple[str, list[int]]]) -> None:
+        """Requests that stopped or were aborted, with their histories."""
+        for req_id, history in finished:
+            for observer in self._observers:
+                observer.request_finished(req_id, history)
 
     def push(self, step: InFlightStep) -> None:
         self.in_flight.append(step)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
-    def end_step(self, shape: BatchShape, num_table_rows: int) -> StepState:
+    def end_step(self, shape: BatchShape, num_table_rows: int) -> None:
         """Classifies a step that enqueued work (``num_table_rows``: decode
         rows whose input ids the forward reads from the token table)."""
         if self._needed_unread:
-            self.state = StepState.SYNC_FALLBACK
+            state = StepState.SYNC_FALLBACK
             self.sync_fallback_steps += 1
         elif num_table_rows:
-            self.state = StepState.ASYNC
+            state = StepState.ASYNC
             self.async_steps += 1
         else:
-            self.state = StepState.HOST_INPUTS
+            state = StepState.HOST_INPUTS
         if shape is BatchShape.PREFILL:
             self.prefill_steps += 1
-        return self.state
+        for observer in self._observers:
+            observer.step_ended(self.step, state)
 
     def retire(self, keep_newest: bool = False) -> None:
         """Applies steps to host state, oldest first. Steps before the newest
@@ -318,9 +245,9 @@ class AsyncFlow:
 
     def _retire_oldest(self, is_needed: bool = True) -> None:
         step = self.in_flight[0]
-        self.read(step, is_needed)
+        output = self.read(step, is_needed)
         self.in_flight.popleft()
-        self._apply(step)
+        self.host.fill_placeholders(step.placeholders, output)
         for observer in self._observers:
             observer.retired(step)
 

@@ -24,19 +24,22 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 from vllm_neuron_sched.core.step_view import BatchShape
-from vllm_neuron_sched.worker.async_flow import PAD_SLOT
+from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
+from vllm_neuron_sched.worker.token_table import (
+    SPARE_TOKEN_SLOT,
+    TableGather,
+    plan_gather,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
-    from vllm_neuron_sched.worker.async_flow import DeviceTokens
     from vllm_neuron_sched.worker.buckets import Buckets
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
 
-# Token placeholder in host state for a sampled token still on the device.
-PLACEHOLDER_TOKEN_ID = -1
-# Slot for padded tokens: the KV cache write skips it.
-PAD_SLOT_ID = -1
+# KV slot of padded tokens: the KV cache write skips it.
+NO_KV_SLOT = -1
 
 
 @dataclass
@@ -48,19 +51,16 @@ class StepInputs:
     num_scheduled: np.ndarray
     # [num_reqs] num_computed_tokens per row before this step.
     num_computed: np.ndarray
-    num_tokens: int  # real tokens
     num_tokens_padded: int  # the static shape run on the device
     # The prefill shape of a rectangular step; None for a packed one.
     prefill_shape: PrefillShape | None
     # [num_reqs] where each row's first token sits in the padded step.
     row_offsets: np.ndarray
     # [num_tokens_padded] int32; padded entries 0. Decode rows' entries are
-    # overwritten on the device from the token table (below).
+    # overwritten on the device from the token table (``gather``).
     input_ids: torch.Tensor
-    # Decode rows: [num_decode] int64 positions in input_ids, and the token
-    # slots to read them from; None when no row decodes.
-    device_token_positions: torch.Tensor | None
-    device_token_slots: torch.Tensor | None
+    # Decode rows' input ids from the token table; None when no row decodes.
+    gather: TableGather | None
     # [num_tokens_padded] int64; padded entries 0.
     positions: torch.Tensor
     # [num_reqs] int64: the row's last token, whose logits are sampled.
@@ -71,10 +71,10 @@ class StepInputs:
     # Per attention group: the plain metadata the backend's builder turns
     # into its own on the device thread (build_attention_metadata).
     attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]"
-    # layer name -> [num_tokens_padded] int64 KV slot (padded: PAD_SLOT_ID).
+    # layer name -> [num_tokens_padded] int64 KV slot (padded: NO_KV_SLOT).
     slot_mapping: dict[str, torch.Tensor]
     # [num_reqs] int64 token slot each row's sampled token is written to
-    # (PAD_SLOT for rows that do not sample).
+    # (SPARE_TOKEN_SLOT for rows that do not sample).
     sample_slots: torch.Tensor
     # [num_reqs] the rows' token slots (for history repairs).
     token_slots: np.ndarray
@@ -83,14 +83,9 @@ class StepInputs:
     needs_host_tokens: bool
 
     @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    @property
     def num_table_rows(self) -> int:
         """Decode rows whose input id the forward reads from the token table."""
-        positions = self.device_token_positions
-        return 0 if positions is None else int(positions.shape[0])
+        return 0 if self.gather is None else self.gather.num_rows
 
     @property
     def has_samples(self) -> bool:
@@ -131,12 +126,9 @@ def build_step_inputs(
     token_ids = batch.token_ids_cpu[row_of_token, positions_np]
     # A decode row's one token is its newest: read it from the device table.
     decode_rows = np.flatnonzero(is_decode_row)
-    device_token_positions = device_token_slots = None
-    if decode_rows.size:
-        decode_positions = layout.row_offsets[decode_rows] + num_scheduled[decode_rows]
-        device_token_positions = torch.from_numpy(decode_positions - 1)
-        device_token_slots = torch.from_numpy(token_slots[decode_rows])
-        token_ids[cu_num_tokens[decode_rows] - 1] = 0
+    last_token_index = layout.row_offsets + num_scheduled - 1
+    gather = plan_gather(decode_rows, last_token_index, token_slots)
+    token_ids[cu_num_tokens[decode_rows] - 1] = 0
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
     input_ids[token_index] = torch.from_numpy(token_ids)
     is_sampled = num_computed + num_scheduled >= num_known
@@ -150,7 +142,7 @@ def build_step_inputs(
         block_size = block_table.block_size
         table_np = block_table.get_numpy_array()
         kv_slots = torch.full(
-            (layout.num_tokens_padded,), PAD_SLOT_ID, dtype=torch.int64
+            (layout.num_tokens_padded,), NO_KV_SLOT, dtype=torch.int64
         )
         block_numbers = table_np[row_of_token, positions_np // block_size]
         kv_slots[token_index] = torch.from_numpy(
@@ -167,19 +159,19 @@ def build_step_inputs(
         shape=shape,
         num_scheduled=num_scheduled,
         num_computed=num_computed,
-        num_tokens=num_tokens,
         num_tokens_padded=layout.num_tokens_padded,
         prefill_shape=layout.prefill_shape,
         row_offsets=layout.row_offsets,
         input_ids=input_ids,
-        device_token_positions=device_token_positions,
-        device_token_slots=device_token_slots,
+        gather=gather,
         positions=positions,
-        logits_indices=torch.from_numpy(layout.row_offsets + num_scheduled - 1),
+        logits_indices=torch.from_numpy(last_token_index),
         is_sampled=is_sampled,
         attn_inputs=attn_inputs,
         slot_mapping=slot_mapping,
-        sample_slots=torch.from_numpy(np.where(is_sampled, token_slots, PAD_SLOT)),
+        sample_slots=torch.from_numpy(
+            np.where(is_sampled, token_slots, SPARE_TOKEN_SLOT)
+        ),
         token_slots=token_slots,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
     )

@@ -2,28 +2,31 @@
 
 One step, on the worker's main thread::
 
-    execute_model:  begin step (retire what the engine has read) -> update
-                    states -> build inputs -> enqueue forward -> None
-    sample_tokens:  enqueue sampling -> placeholders -> output (async or not)
+    execute_model:  retire the steps the engine has read -> host state from
+                    the scheduler's decisions -> inputs -> enqueue forward
+    sample_tokens:  enqueue sampling -> push the step (its placeholders) ->
+                    its output, now (sync) or as a future (async)
 
 Every step that runs anything returns its output from ``sample_tokens``,
 also one whose rows all run prompt chunks that are not their last (it samples
 nothing, and its output says whether its forward failed): no device failure
 goes unread.
 
-The forward and the sampler run on the device (``runtime.make_device``), in
-enqueue order. Decode rows take their input ids from the device token table
-that every sampling execution writes (``async_flow.py``), so the host never
-waits for a step's tokens to build the next one.
+The parts, each with one owner's state: ``host_state`` (requests, the input
+batch, token slots, placeholders), ``async_flow`` (the steps in flight and
+their counters), ``token_table`` (the device token table and the decode-id
+gather), ``inputs`` (one step's padded tensors), ``sampling`` (the device's
+sampler and the output back), ``kv_cache``. The forward and the sampler run
+on the device (``runtime``), in enqueue order.
 
 Ownership: an execution enqueued on the device owns every buffer it reads
 until its future resolves. The host builds each step into fresh tensors and
 never writes, resizes or frees one that an enqueued execution may read; state
 that lives across steps on the device (the KV cache, the token table, the
 attention builders and vLLM's CPU scratchpad behind them) is touched by device
-executions only. Host request state (``requests``, ``input_batch``) has one
-owner, this thread: sampled tokens enter it as placeholders at enqueue and are
-filled in here when their step retires, never by the async output thread.
+executions only. Host state has one owner, this thread: sampled tokens enter
+it as placeholders at enqueue and are filled in here when their step retires,
+never by the async output thread.
 """
 
 import time
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from vllm.distributed.parallel_state import get_tp_group
+from vllm.config import CompilationMode
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
@@ -42,25 +45,21 @@ from vllm.v1.outputs import (
     LogprobsTensors,
     ModelRunnerOutput,
 )
+from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import finishes_failed_requests
-from vllm_neuron_sched.runtime import DeviceFuture, make_device
-from vllm_neuron_sched.worker.async_flow import (
-    AsyncFlow,
-    InFlightStep,
-)
+from vllm_neuron_sched.worker.async_flow import AsyncFlow, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
+from vllm_neuron_sched.worker.host_state import HostRequestState, PromptLogprobsJob
 from vllm_neuron_sched.worker.inputs import (
-    PLACEHOLDER_TOKEN_ID,
     StepInputs,
     build_attention_metadata,
     build_step_inputs,
 )
-from vllm_neuron_sched.worker.kv_cache import KVCacheMixin
+from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
-from vllm_neuron_sched.worker.requests import RequestStatesMixin
 from vllm_neuron_sched.worker.sampling import (
     AsyncStepOutput,
     history_repairs,
@@ -70,10 +69,15 @@ from vllm_neuron_sched.worker.sampling import (
     snapshot_sampling_metadata,
 )
 from vllm_neuron_sched.worker.timeline import StepTimeline
+from vllm_neuron_sched.worker.token_table import DeviceTokens, TableGather
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.parallel_state import GroupCoordinator
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+    from vllm_neuron_sched.runtime import Device, DeviceFuture
 
 logger = init_logger(__name__)
 
@@ -88,12 +92,22 @@ class ForwardState:
     scheduler_output: "SchedulerOutput"
     inputs: StepInputs
     # [num_reqs, vocab] logits of the sampling rows; None when none samples.
-    logits: DeviceFuture
+    logits: "DeviceFuture"
     prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
 
 
-class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
-    def __init__(self, vllm_config: "VllmConfig", device: torch.device) -> None:
+class NeuronSchedModelRunner:
+    """``tp_group``: vLLM's TP group of this worker (its rank and world size
+    are read). ``device``: the runtime device every execution is enqueued
+    on. ``torch_device``: where tensors live (the CPU here)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        tp_group: "GroupCoordinator",
+        device: "Device",
+        torch_device: torch.device | None = None,
+    ) -> None:
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("vllm_neuron_sched does not support pipeline parallel")
         if vllm_config.speculative_config is not None:
@@ -102,15 +116,11 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             raise ValueError("vllm_neuron_sched does not support KV transfer")
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
-        self.cache_config = vllm_config.cache_config
-        self.compilation_config = vllm_config.compilation_config
         scheduler_config = vllm_config.scheduler_config
-        self.device = device
         self.is_async = bool(scheduler_config.async_scheduling)
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = self.model_config.max_model_len
-        self.vocab_size = self.model_config.get_vocab_size()
         self.buckets = Buckets.from_limits(
             envs.VLLM_NEURON_SCHED_DECODE_BUCKETS,
             self.max_num_reqs,
@@ -119,9 +129,8 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             self.max_model_len,
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
-        tp_group = get_tp_group()
         self.tp_rank = tp_group.rank_in_group
-        self.accelerator = make_device(name=f"tp{self.tp_rank}")
+        self.device = device
         # Our schedulers finish a failed step's requests and serve the
         # others. Under any other scheduler, and with TP ranks (a failure in a
         # collective means a peer is gone, and ranks cannot know they failed
@@ -130,10 +139,20 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             finishes_failed_requests(getattr(scheduler_config, "scheduler_cls", None))
         )
         self.model: Any = None
-        self.flow = AsyncFlow(
-            self.accelerator,
+        self.kv_cache = KVCache(
+            vllm_config, torch_device or torch.device("cpu"), device
+        )
+        self.tokens = DeviceTokens(self.max_num_reqs, device)
+        self.host = HostRequestState(
+            self.tokens,
+            self.model_config.get_vocab_size(),
             self.max_num_reqs,
-            self._apply_sampled_tokens,
+            self.max_model_len,
+            self.max_num_tokens,
+        )
+        self.flow = AsyncFlow(
+            device,
+            self.host,
             is_output_rank=self.tp_rank == 0,
             queue_depth=2 if self.is_async else 1,
         )
@@ -147,8 +166,6 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         if self.timeline is not None:
             self.flow.subscribe(self.timeline)
         self._forward: ForwardState | None = None
-        self._init_request_states()
-        self._init_kv_cache_state()
 
     # ---- engine-facing API -------------------------------------------------
 
@@ -162,6 +179,42 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",) if is_text_generation_model(self.model) else ()
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The CPU worker asks whether a KV cache exists."""
+        return self.kv_cache.caches
+
+    def get_kv_cache_spec(self) -> "dict[str, KVCacheSpec]":
+        return self.kv_cache.spec()
+
+    def initialize_kv_cache(
+        self, kv_cache_config: "KVCacheConfig", **kwargs: Any
+    ) -> None:
+        """Allocates the KV cache, then the input batch (its block tables
+        need the block sizes). ``kwargs``: vLLM's, unused."""
+        block_sizes = self.kv_cache.allocate(kv_cache_config)
+        processors = self.model_config.logits_processors
+        self.host.allocate_batch(
+            block_sizes,
+            build_logitsprocs(
+                self.vllm_config,
+                torch.device("cpu"),
+                False,
+                False,
+                tuple(processors or ()),
+            ),
+            logitsprocs_need_output_token_ids=bool(processors),
+        )
+
+    def warming_up_model(self) -> None:
+        """Compiles the model for its general shape before serving (the CPU
+        worker calls this while sizing memory)."""
+        if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
+            return
+        logger.info("Warming up model for compilation...")
+        self.device.enqueue(self._dummy_forward, self.max_num_tokens).result()
+        logger.info("Warming up done.")
 
     def update_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -197,16 +250,16 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             "in_flight_steps": num_in_flight,
             "max_in_flight_steps": self.flow.max_in_flight,
             "finished_digest": self.digest.finished_hexdigest(),
-            "num_requests": len(self.requests),
-            "history_digest": self.digest.live_hexdigest(
-                self.requests, self.input_batch
-            ),
+            "num_requests": len(self.host.requests),
+            "history_digest": self.host.history_digest(),
         }
 
     def shutdown(self) -> None:
         """Drains the device before the worker releases what it uses (the
         model, the KV cache, the process): at most two steps are queued."""
-        self.accelerator.shutdown(wait=True, timeout_s=_SHUTDOWN_TIMEOUT_S)
+        self.device.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
+
+    # ---- one step -----------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(
@@ -215,7 +268,10 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
         """Enqueues the step's forward; None: ``sample_tokens`` follows."""
         with self.flow.host_section("execute_model"):
             self.flow.begin_step(scheduler_output)
-            self._update_states(scheduler_output)
+            self.flow.requests_finished(self.host.update(scheduler_output))
+            self.kv_cache.zero_blocks(
+                getattr(scheduler_output, "new_block_ids_to_zero", None)
+            )
             if not scheduler_output.total_num_scheduled_tokens:
                 # Nothing to run (the engine only tells of finished
                 # requests): bring host state up to date where that costs
@@ -223,7 +279,7 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
                 self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
             inputs = self._build_inputs(scheduler_output)
-            self._enqueue_forward(scheduler_output, inputs)
+            self._forward = self._enqueue_forward(scheduler_output, inputs)
             return None
 
     @torch.inference_mode()
@@ -237,14 +293,15 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.flow.host_section("sample_tokens"):
             step = self._enqueue_sampling(forward, grammar_output)
-            inputs = forward.inputs
-            if not self.is_async:
+            self.flow.push(step)
+            output: ModelRunnerOutput | AsyncStepOutput
+            if self.is_async:
+                output = AsyncStepOutput(self.flow, step)
+            else:
                 output = self.flow.read(step)
                 self.flow.retire()
-                self.flow.end_step(inputs.shape, inputs.num_table_rows)
-                return output
-            self.flow.end_step(inputs.shape, inputs.num_table_rows)
-            return AsyncStepOutput(self.flow, step)
+            self.flow.end_step(forward.inputs.shape, forward.inputs.num_table_rows)
+            return output
 
     # ---- the step pipeline --------------------------------------------------
 
@@ -259,22 +316,21 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
 
     def _build_host_inputs(self, scheduler_output: "SchedulerOutput") -> StepInputs:
         return build_step_inputs(
-            self.input_batch,
+            self.host.batch,
             scheduler_output.num_scheduled_tokens,
             self.buckets,
-            self.attn_groups,
-            self.flow.tokens,
+            self.kv_cache.attn_groups,
+            self.tokens,
         )
 
     def _enqueue_forward(
         self, scheduler_output: "SchedulerOutput", inputs: StepInputs
-    ) -> None:
-        jobs, prompt_logprobs = self._prompt_logprobs_jobs(inputs)
-        forward = self.accelerator.enqueue(
+    ) -> ForwardState:
+        jobs, prompt_logprobs = self.host.prompt_logprobs_jobs(inputs)
+        logits = self.device.enqueue(
             self._forward_on_device,
             inputs.input_ids,
-            inputs.device_token_positions,
-            inputs.device_token_slots,
+            inputs.gather,
             inputs.positions,
             inputs.attn_inputs,
             inputs.slot_mapping,
@@ -282,27 +338,23 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             inputs.logits_indices if inputs.has_samples else None,
             jobs,
         )
-        self._forward = ForwardState(scheduler_output, inputs, forward, prompt_logprobs)
+        return ForwardState(scheduler_output, inputs, logits, prompt_logprobs)
 
     def _forward_on_device(
         self,
         input_ids: torch.Tensor,
-        device_token_positions: torch.Tensor | None,
-        device_token_slots: torch.Tensor | None,
+        gather: TableGather | None,
         positions: torch.Tensor,
         attn_inputs: list[tuple[Any, Any]],
         slot_mapping: dict[str, torch.Tensor],
         num_tokens_padded: int,
         logits_indices: torch.Tensor | None,
-        prompt_logprobs_jobs: list[tuple],
+        prompt_logprobs_jobs: list[PromptLogprobsJob],
     ) -> torch.Tensor | None:
         """Runs on the device: decode rows' ids from the token table, then the
         model at its padded shape."""
         with torch.inference_mode():
-            if device_token_positions is not None:
-                input_ids[device_token_positions] = self.flow.tokens.read(
-                    device_token_slots
-                )
+            self.tokens.gather(input_ids, gather)
             with set_forward_context(
                 build_attention_metadata(attn_inputs),
                 self.vllm_config,
@@ -325,14 +377,13 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
     def _enqueue_sampling(
         self, forward: ForwardState, grammar_output: "GrammarOutput | None"
     ) -> InFlightStep:
-        """The step's last execution, pushed to the flow: sampling, or for a
-        step that samples nothing its forward (whose failure must reach the
-        requests too)."""
+        """The step's last execution: sampling, or for a step that samples
+        nothing its forward (whose failure must reach the requests too)."""
         inputs = forward.inputs
         result = forward.logits
         if inputs.has_samples:
             result = self._enqueue_sampler(forward, grammar_output)
-        step = InFlightStep(
+        return InFlightStep(
             number=self.flow.step,
             result=result,
             output=make_output_materializer(
@@ -342,26 +393,24 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
                 forward.prompt_logprobs,
                 self.fails_requests_alone,
             ),
+            placeholders=self.host.add_placeholders(inputs),
         )
-        self._add_placeholders(step, inputs)
-        self.flow.push(step)
-        return step
 
     def _enqueue_sampler(
         self, forward: ForwardState, grammar_output: "GrammarOutput | None"
-    ) -> DeviceFuture:
+    ) -> "DeviceFuture":
         inputs = forward.inputs
-        metadata = self.input_batch.sampling_metadata
+        metadata = self.host.batch.sampling_metadata
         repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
-        if not self.accelerator.runs_at_enqueue:
+        if not self.device.runs_at_enqueue:
             metadata = snapshot_sampling_metadata(metadata)
         grammar = None
         if grammar_output is not None:
             grammar = (forward.scheduler_output, grammar_output, list(inputs.req_ids))
-        return self.accelerator.enqueue(
+        return self.device.enqueue(
             sample_on_device,
             self.sampler,
-            self.flow.tokens,
+            self.tokens,
             forward.logits,
             metadata,
             inputs.sample_slots,
@@ -370,41 +419,12 @@ class NeuronSchedModelRunner(KVCacheMixin, RequestStatesMixin):
             grammar,
         )
 
-    # ---- host state from device results (main thread only) ------------------
-
-    def _add_placeholders(self, step: InFlightStep, inputs: StepInputs) -> None:
-        """Each sampling row's history grows by a placeholder now, so the
-        next step's shapes and positions are right before the token is known."""
-        batch = self.input_batch
-        rows = np.flatnonzero(inputs.is_sampled)
-        positions = batch.num_tokens_no_spec[rows]
-        in_range = positions < batch.token_ids_cpu.shape[1]
-        batch.token_ids_cpu[rows[in_range], positions[in_range]] = PLACEHOLDER_TOKEN_ID
-        batch.num_tokens_no_spec[rows] = positions + 1
-        for row in rows.tolist():
-            req_id = inputs.req_ids[row]
-            history = self.requests[req_id].output_token_ids
-            step.placeholders[req_id] = (history, len(history))
-            history.append(PLACEHOLDER_TOKEN_ID)
-
-    def _apply_sampled_tokens(self, step: InFlightStep) -> None:
-        """Fills the step's placeholders with its tokens (finished requests'
-        histories too). A history that was cut or replaced since (preemption)
-        keeps what it has."""
-        output = step.output.get()
-        batch = self.input_batch
-        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
-            history, index = step.placeholders.get(req_id, (None, 0))
-            if history is None or not tokens or index >= len(history):
-                continue
-            if history[index] != PLACEHOLDER_TOKEN_ID:
-                continue
-            history[index] = tokens[0]
-            state = self.requests.get(req_id)
-            row = batch.req_id_to_index.get(req_id)
-            if (
-                row is not None
-                and state is not None
-                and state.output_token_ids is history
-            ):
-                batch.token_ids_cpu[row, state.num_prompt_tokens + index] = tokens[0]
+    def _dummy_forward(self, num_tokens: int) -> None:
+        with (
+            torch.inference_mode(),
+            set_forward_context(None, self.vllm_config, num_tokens=num_tokens),
+        ):
+            self.model(
+                input_ids=torch.zeros(num_tokens, dtype=torch.int32),
+                positions=torch.zeros(num_tokens, dtype=torch.int64),
+            )

@@ -9,11 +9,10 @@ from vllm.logger import init_logger
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.worker.async_flow import FlowObserver, InFlightStep
-from vllm_neuron_sched.worker.inputs import PLACEHOLDER_TOKEN_ID
+from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
     from vllm_neuron_sched.worker.async_flow import AsyncFlow
 
@@ -23,8 +22,8 @@ _MOD = 2**256
 
 
 class RankDigest(FlowObserver):
-    """Digests of the host token histories, equal on every TP rank when none
-    drifts (``get_rank_state``).
+    """A digest of the finished requests' token histories, equal on every TP
+    rank when none drifts (``get_rank_state``).
 
     A finished request is digested once its history holds no placeholder
     (the steps that sampled for it have retired). Ranks may retire the newest
@@ -46,21 +45,6 @@ class RankDigest(FlowObserver):
 
     def finished_hexdigest(self) -> str:
         return f"{self._finished_sum:064x}"
-
-    @staticmethod
-    def live_hexdigest(
-        requests: "dict[str, CachedRequestState]", batch: "InputBatch"
-    ) -> str:
-        digest = hashlib.sha256()
-        for req_id in sorted(requests):
-            state = requests[req_id]
-            digest.update(f"{req_id}:{state.output_token_ids};".encode())
-            row = batch.req_id_to_index.get(req_id)
-            if row is not None:
-                num_tokens = int(batch.num_tokens_no_spec[row])
-                tokens = batch.token_ids_cpu[row, :num_tokens].tolist()
-                digest.update(f"{tokens};".encode())
-        return digest.hexdigest()
 
     def _digest_completed(self) -> None:
         pending = []

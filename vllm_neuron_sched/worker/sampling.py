@@ -30,7 +30,7 @@ from vllm_neuron_sched.runtime import (
     DeviceStateError,
     Materializer,
 )
-from vllm_neuron_sched.worker.inputs import PLACEHOLDER_TOKEN_ID
+from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
 
 logger = init_logger(__name__)
 
@@ -39,11 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_neuron_sched.worker.async_flow import (
-        AsyncFlow,
-        DeviceTokens,
-        InFlightStep,
-    )
+    from vllm_neuron_sched.worker.async_flow import AsyncFlow, InFlightStep
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
 def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":

@@ -20,6 +20,7 @@ from vllm_neuron_sched.testing.toy_runner import (
     ScriptedScheduler,
     expected_output,
     read_output,
+    record_step_states,
     run_step,
     toy_runner,
 )
@@ -38,7 +39,7 @@ class Engine:
     def __init__(self, runner: NeuronSchedModelRunner) -> None:
         self.runner = runner
         self.tokens: dict[str, list[int]] = defaultdict(list)
-        self.states: list[StepState | None] = []
+        self.states = record_step_states(runner)
 
     def run(self, *steps: SchedulerOutput) -> None:
         """Steps whose outputs are read at once (the past of the batch queue)."""
@@ -55,7 +56,7 @@ class Engine:
             started.set()
             assert opened.wait(GATE_TIMEOUT_S)
 
-        self.runner.accelerator.enqueue(hold)
+        self.runner.device.enqueue(hold)
         assert started.wait(GATE_TIMEOUT_S)
         outputs: list[Any] = []
         host = threading.Thread(
@@ -71,9 +72,7 @@ class Engine:
             self._collect(output)
 
     def _run_one(self, scheduler_output: SchedulerOutput) -> Any:
-        output = run_step(self.runner, scheduler_output)
-        self.states.append(self.runner.flow.state)
-        return output
+        return run_step(self.runner, scheduler_output)
 
     def _collect(self, output: Any) -> None:
         output = read_output(output)
@@ -171,10 +170,10 @@ def test_reorder() -> None:
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
         engine.run(*(sched.prefill(r) for r in prompts), sched.decode("a", "b", "c"))
-        before = list(runner.input_batch.req_ids)
+        before = list(runner.host.batch.req_ids)
         # A prompt chunk empties the batch; the decodes rejoin in a new order.
         engine.run_held(sched.prefill("d", 32), sched.decode(*reversed(before)))
-        assert list(runner.input_batch.req_ids) == before[::-1]
+        assert list(runner.host.batch.req_ids) == before[::-1]
         engine.run(sched.decode("c", "a", "b"))
         _assert_no_fallback(runner, num_async=3)
     _assert_tokens(engine, prompts)
@@ -236,6 +235,5 @@ def test_more_live_requests_than_token_slots() -> None:
         for _ in range(3):
             engine.run(sched.decode(*first), sched.decode(*second))
         _assert_no_fallback(runner, num_async=6)
-        assert runner.flow.tokens.capacity > runner.max_num_reqs == 6
     _assert_tokens(engine, prompts)
     assert all(len(tokens) == 4 for tokens in engine.tokens.values())

@@ -54,9 +54,7 @@ def test_decode_steps_fed_from_the_table_count_async(backend: str) -> None:
     """Fails if decode rows took their ids from the host instead."""
     sched = _scheduler(**PROMPTS)
     with toy_runner(is_async=True) as runner:
-        assert runner.accelerator.name == (
-            "thread" if backend == "thread" else "inline"
-        )
+        assert runner.device.kind == ("thread" if backend == "thread" else "inline")
         loop = EngineLoop(runner, depth=2)
         loop.run(sched.prefill("a"), sched.prefill("b"))
         loop.run(*(sched.decode("a", "b") for _ in range(4)))

@@ -45,7 +45,7 @@ def test_a_failed_chunk_that_samples_nothing_fails_its_request(
     with toy_runner(is_async=is_async) as runner:
         loop = EngineLoop(runner, depth=2 if is_async else 1)
         loop.run(sched.prefill("a"), sched.decode("a"))
-        runner.accelerator.fail_execution_after(1)  # d's first chunk's forward
+        runner.device.fail_execution_after(1)  # d's first chunk's forward
         loop.run(sched.prefill("d", 32), sched.decode("a"))
         loop.flush()
         assert set(loop.failed) == {"d"}
@@ -68,7 +68,7 @@ def test_a_failed_sampling_fails_the_steps_requests(
     with toy_runner(is_async=is_async) as runner:
         loop = EngineLoop(runner, depth=2 if is_async else 1)
         loop.run(sched.prefill("a"), sched.prefill("b"), sched.decode("a", "b"))
-        runner.accelerator.fail_execution_after(2)  # the decode step's sampling
+        runner.device.fail_execution_after(2)  # the decode step's sampling
         loop.run(sched.decode("a", "b"), sched.prefill("c"))
         loop.flush()
         assert set(loop.failed) == {"a", "b"}
@@ -93,7 +93,7 @@ def test_a_failed_state_update_stops_the_engine(backend: str, is_async: bool) ->
         loop.flush()
         step = sched.decode("a")
         step.new_block_ids_to_zero = [3]
-        runner.accelerator.fail_execution_after(1)  # the zeroing
+        runner.device.fail_execution_after(1)  # the zeroing
         with pytest.raises(DeviceStateError) as error:
             loop.run(step)
             loop.flush()
@@ -110,7 +110,7 @@ def test_under_a_scheduler_that_cannot_fail_one_request_a_fault_stops_the_engine
     vllm_scheduler = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     with toy_runner(is_async=True, scheduler_cls=vllm_scheduler) as runner:
         loop = EngineLoop(runner, depth=2)
-        runner.accelerator.fail_execution_after(1)
+        runner.device.fail_execution_after(1)
         with pytest.raises(DeviceExecutionError, match="injected device fault"):
             loop.run(sched.prefill("a"), sched.decode("a"))
             loop.flush()

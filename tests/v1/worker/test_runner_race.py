@@ -220,7 +220,7 @@ def test_async_runner_on_each_device_backend(
     sched = SimScheduler(random.Random(7), num_requests=10, allow_mixed=False)
     with toy_runner(is_async=True, max_delay_s=0.002) as runner:
         run_engine_loop(runner, sched, depth=2)
-    assert runner.accelerator.name == device
+    assert runner.device.kind == device
     for r in sched.done:
         assert r.output == expected_output(r.prompt, len(r.output)), r.req_id
     assert MainThreadOnlyArray.foreign_writers == []

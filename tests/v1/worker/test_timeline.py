@@ -45,7 +45,7 @@ def test_host_intervals_are_ordered_and_disjoint_on_the_main_thread(recorded):
 def test_device_runs_are_tagged_with_the_enqueuing_step(recorded) -> None:
     timeline, _ = recorded
     device = [i for i in timeline["intervals"] if i[0] == DEVICE]
-    assert {i[3] for i in device} == {"tp0-thread"}
+    assert {i[3] for i in device} == {"tp0_0"}
     # Each step: its forward, then its sampling.
     assert sorted(i[2] for i in device) == sorted(
         step for step in range(1, NUM_DECODES + 3) for _ in range(2)

@@ -1,0 +1,265 @@
+"""The worker's host request state, with one owner: the main thread.
+
+vLLM's ``CachedRequestState`` per request and its persistent ``InputBatch``,
+updated from each ``SchedulerOutput``; the token slots of the device token
+table; the placeholders a sampled token leaves in a history until its step
+retires; the prompt-logprob buffers. Nothing else writes any of it: the
+device thread runs only what the main thread enqueues, and the executor's
+output thread only reads device results.
+"""
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.sampling_params import SamplingType
+from vllm.utils.math_utils import cdiv
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
+    from vllm_neuron_sched.worker.inputs import StepInputs
+
+# A sampled token in a host history while it is still only on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
+# req_id -> (the request's output_token_ids, index of its placeholder); the
+# list itself is held, so a finished request's history is completed too.
+Placeholders = dict[str, tuple[list[int], int]]
+# A prompt chunk's logprobs job for the forward (prompt_logprobs_on_device):
+# (row offset, chunk start, target ids, logprobs wanted, the request's buffer).
+PromptLogprobsJob = tuple[int, int, torch.Tensor, int, LogprobsTensors]
+
+
+class HostRequestState:
+    def __init__(
+        self,
+        tokens: DeviceTokens,
+        vocab_size: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_tokens: int,
+    ) -> None:
+        self.tokens = tokens
+        self.vocab_size = vocab_size
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_tokens
+        self.requests: dict[str, CachedRequestState] = {}
+        # req_id -> prompt logprobs wanted, until its last prompt chunk ran.
+        self.num_prompt_logprobs: dict[str, int] = {}
+        self.input_batch: InputBatch | None = None
+
+    def allocate_batch(
+        self, block_sizes: list[int], logitsprocs: "LogitsProcessors", **kwargs: Any
+    ) -> InputBatch:
+        """The persistent batch, once the KV cache's block sizes are known.
+        ``kwargs``: more of ``InputBatch``'s arguments."""
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=torch.device("cpu"),
+            vocab_size=self.vocab_size,
+            block_sizes=block_sizes,
+            max_num_blocks_per_req=[cdiv(self.max_model_len, bs) for bs in block_sizes],
+            logitsprocs=logitsprocs,
+            **kwargs,
+        )
+        return self.input_batch
+
+    @property
+    def batch(self) -> InputBatch:
+        assert self.input_batch is not None, "no KV cache yet"
+        return self.input_batch
+
+    # ---- the scheduler's decisions -----------------------------------------
+
+    def update(
+        self, scheduler_output: "SchedulerOutput"
+    ) -> list[tuple[str, list[int]]]:
+        """Applies the scheduler's decisions: the batch ends up holding exactly
+        this step's requests. Returns the finished requests and their
+        histories (which may still end in placeholders)."""
+        batch = self.batch
+        finished = []
+        for req_id in scheduler_output.finished_req_ids:
+            if (state := self.requests.pop(req_id, None)) is not None:
+                self.tokens.release(req_id)
+                finished.append((req_id, state.output_token_ids))
+            self.num_prompt_logprobs.pop(req_id, None)
+            batch.remove_request(req_id)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled = scheduler_output.num_scheduled_tokens.keys()
+        for req_id in batch.req_id_to_index.keys() - (
+            scheduled - cached.resumed_req_ids
+        ):
+            batch.remove_request(req_id)
+
+        to_add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            num_output_tokens = cached.num_output_tokens[i]
+            if num_output_tokens < len(state.output_token_ids):
+                del state.output_token_ids[num_output_tokens:]
+            new_block_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = new_block_ids
+            elif new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                _recover_output_tokens(state, cached.all_token_ids, num_output_tokens)
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+            batch.num_tokens_no_spec[row] = state.num_tokens
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids, row)
+
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.refresh_metadata()
+        return finished
+
+    def _new_request(self, new: Any) -> CachedRequestState:
+        params = new.sampling_params
+        generator = None
+        if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed)
+        state = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            prompt_embeds=new.prompt_embeds,
+            mm_features=new.mm_features,
+            sampling_params=params,
+            pooling_params=new.pooling_params,
+            generator=generator,
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=[],
+            lora_request=new.lora_request,
+        )
+        self.requests[new.req_id] = state
+        self.tokens.assign(new.req_id)
+        if params is not None and params.prompt_logprobs is not None:
+            wanted = params.prompt_logprobs
+            self.num_prompt_logprobs[new.req_id] = (
+                self.vocab_size if wanted == -1 else wanted
+            )
+        return state
+
+    # ---- sampled tokens: placeholders at enqueue, filled at retirement -----
+
+    def add_placeholders(self, inputs: "StepInputs") -> Placeholders:
+        """Each sampling row's history grows by a placeholder now, so the
+        next step's shapes and positions are right before the token is known."""
+        batch = self.batch
+        rows = np.flatnonzero(inputs.is_sampled)
+        positions = batch.num_tokens_no_spec[rows]
+        in_range = positions < batch.token_ids_cpu.shape[1]
+        batch.token_ids_cpu[rows[in_range], positions[in_range]] = PLACEHOLDER_TOKEN_ID
+        batch.num_tokens_no_spec[rows] = positions + 1
+        placeholders: Placeholders = {}
+        for row in rows.tolist():
+            req_id = inputs.req_ids[row]
+            history = self.requests[req_id].output_token_ids
+            placeholders[req_id] = (history, len(history))
+            history.append(PLACEHOLDER_TOKEN_ID)
+        return placeholders
+
+    def fill_placeholders(
+        self, placeholders: Placeholders, output: "ModelRunnerOutput"
+    ) -> None:
+        """A retired step's tokens into the histories (finished requests'
+        too). A history that was cut or replaced since (preemption) keeps
+        what it has."""
+        batch = self.batch
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            history, index = placeholders.get(req_id, (None, 0))
+            if history is None or not tokens or index >= len(history):
+                continue
+            if history[index] != PLACEHOLDER_TOKEN_ID:
+                continue
+            history[index] = tokens[0]
+            state = self.requests.get(req_id)
+            row = batch.req_id_to_index.get(req_id)
+            if (
+                row is not None
+                and state is not None
+                and state.output_token_ids is history
+            ):
+                batch.token_ids_cpu[row, state.num_prompt_tokens + index] = tokens[0]
+
+    # ---- prompt logprobs ----------------------------------------------------
+
+    def prompt_logprobs_jobs(
+        self, inputs: "StepInputs"
+    ) -> tuple[list[PromptLogprobsJob], dict[str, LogprobsTensors]]:
+        """Device jobs that fill each row's prompt-logprobs buffer, and the
+        buffers complete after this step (returned with its output)."""
+        jobs: list[PromptLogprobsJob] = []
+        completed: dict[str, LogprobsTensors] = {}
+        if not self.num_prompt_logprobs:
+            return jobs, completed
+        offsets = inputs.row_offsets.tolist()
+        for row, req_id in enumerate(inputs.req_ids):
+            num_logprobs = self.num_prompt_logprobs.get(req_id)
+            state = self.requests[req_id]
+            if num_logprobs is None or state.prompt_token_ids is None:
+                continue
+            prompt = state.prompt_token_ids
+            buffer = state.in_progress_prompt_logprobs_cpu
+            if buffer is None:
+                buffer = LogprobsTensors.empty_cpu(len(prompt) - 1, num_logprobs + 1)
+                state.in_progress_prompt_logprobs_cpu = buffer
+            start = int(inputs.num_computed[row])
+            num_scheduled = int(inputs.num_scheduled[row])
+            num_logits = min(num_scheduled, len(prompt) - 1 - start)
+            if num_logits > 0:
+                targets = torch.tensor(prompt[start + 1 : start + 1 + num_logits])
+                jobs.append((offsets[row], start, targets, num_logprobs, buffer))
+            if start + num_scheduled >= len(prompt):
+                completed[req_id] = buffer
+                del self.num_prompt_logprobs[req_id]
+                state.in_progress_prompt_logprobs_cpu = None
+        return jobs, completed
+
+    # ---- TP consistency -----------------------------------------------------
+
+    def history_digest(self) -> str:
+        """The live requests' histories and batch rows, digested: equal on
+        every TP rank when no rank drifts (``get_rank_state``)."""
+        batch = self.batch
+        digest = hashlib.sha256()
+        for req_id in sorted(self.requests):
+            state = self.requests[req_id]
+            digest.update(f"{req_id}:{state.output_token_ids};".encode())
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:
+                num_tokens = int(batch.num_tokens_no_spec[row])
+                tokens = batch.token_ids_cpu[row, :num_tokens].tolist()
+                digest.update(f"{tokens};".encode())
+        return digest.hexdigest()
+
+
+def _recover_output_tokens(
+    state: CachedRequestState, all_token_ids: dict[str, list[int]], num_output: int
+) -> None:
+    """A request re-joining the batch: keep our exact history, or take the
+    scheduler's if ours still holds placeholders (it was preempted)."""
+    known = all_token_ids.get(state.req_id)
+    if num_output and known and PLACEHOLDER_TOKEN_ID in state.output_token_ids:
+        state.output_token_ids = known[-num_output:]
