@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_neuron_sched.testing.checkpoint import ensure_checkpoint
 from vllm_neuron_sched.testing.server import SERVED_MODEL, OpenAIServer
 
 MODES = ("stock", "stock_async", "sync", "async")
@@ -98,8 +99,6 @@ def main() -> None:
         "--json", type=Path, default=Path("benchmarks/results/bench_serve.json")
     )
     args = parser.parse_args()
-
-    from vllm_neuron_sched.demo import ensure_checkpoint
 
     checkpoint = ensure_checkpoint()
     logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))

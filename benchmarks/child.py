@@ -97,32 +97,20 @@ def make_workload(spec: dict[str, Any], vocab: int) -> Workload:
     rng = random.Random(spec.get("seed", 0))
     delta = RequestOutputKind.DELTA
     num = spec["num_requests"]
-    if spec["kind"] == "batch":  # all at once, fixed lengths, max_tokens only
-        prompts = [_prompt(rng, spec["prompt_len"], vocab) for _ in range(num)]
-        params = [
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=spec["max_tokens"],
-                ignore_eos=True,
-                output_kind=delta,
-            )
-            for _ in range(num)
-        ]
-        return Workload(prompts, params, [0.0] * num)
-    if spec["kind"] == "burst":  # all at once, varied prompt lengths
-        prompts = [
-            _prompt(rng, rng.randint(*spec["prompt_len_range"]), vocab)
-            for _ in range(num)
-        ]
-        params = [
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=spec["max_tokens"],
-                ignore_eos=True,
-                output_kind=delta,
-            )
-            for _ in range(num)
-        ]
+
+    def greedy(max_tokens: int) -> Any:
+        return SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=delta
+        )
+
+    def prompt_len() -> int:
+        if spec["kind"] == "batch":
+            return spec["prompt_len"]
+        return rng.randint(*spec["prompt_len_range"])
+
+    if spec["kind"] in ("batch", "burst"):  # all at once, max_tokens only
+        prompts = [_prompt(rng, prompt_len(), vocab) for _ in range(num)]
+        params = [greedy(spec["max_tokens"]) for _ in range(num)]
         return Workload(prompts, params, [0.0] * num)
     # "mixed": random prompt lengths and budgets, Poisson arrivals; half of
     # the requests sample until one of a few stop tokens, the way a request
@@ -131,7 +119,7 @@ def make_workload(spec: dict[str, Any], vocab: int) -> Workload:
     stop_ids = rng.sample(range(8, vocab), spec.get("num_stop_ids", 16))
     prompts, params, arrivals, now = [], [], [], 0.0
     for i in range(num):
-        prompts.append(_prompt(rng, rng.randint(*spec["prompt_len_range"]), vocab))
+        prompts.append(_prompt(rng, prompt_len(), vocab))
         max_tokens = rng.randint(*spec["max_tokens_range"])
         if i % 2:
             params.append(
@@ -143,14 +131,7 @@ def make_workload(spec: dict[str, Any], vocab: int) -> Workload:
                 )
             )
         else:
-            params.append(
-                SamplingParams(
-                    temperature=0.0,
-                    max_tokens=max_tokens,
-                    ignore_eos=True,
-                    output_kind=delta,
-                )
-            )
+            params.append(greedy(max_tokens))
         arrivals.append(now)
         now += rng.expovariate(spec["arrival_rate"])
     return Workload(prompts, params, arrivals)

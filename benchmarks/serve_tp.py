@@ -2,13 +2,14 @@
 
     python benchmarks/serve_tp.py [--tp 1 4] [--requests 16] [--max-tokens 64]
 
-Per TP size: starts the server (our platform, async scheduling, the tiny
-checkpoint of ``vllm_neuron_sched.demo``) on a free loopback port, sends one
-warm-up request, then ``--requests`` concurrent greedy completions of
-``--max-tokens`` tokens (ignore_eos), and reports output tokens / wall time
-plus the async scheduling counters from ``/metrics``. Workers share the
-machine's cores round-robin (``VLLM_CPU_OMP_THREADS_BIND``), so on a 2-core
-machine TP=4 measures the cost of the extra ranks, not a speed-up.
+Per TP size: starts the server (our platform, async scheduling, the demo's
+tiny checkpoint) on a free loopback port, sends one warm-up request, then
+``--requests`` concurrent greedy completions of ``--max-tokens`` tokens
+(ignore_eos), and reports output tokens / wall time plus the async scheduling
+counters from ``/metrics``. Workers split the machine's cores
+(``VLLM_CPU_OMP_THREADS_BIND``; round-robin when there are fewer cores than
+ranks), so on a 2-core machine TP=4 measures the cost of the extra ranks, not
+a speed-up.
 """
 
 import argparse
@@ -19,12 +20,9 @@ from pathlib import Path
 
 import openai
 
-from vllm_neuron_sched.testing.server import (
-    SERVED_MODEL,
-    OpenAIServer,
-    engine_args,
-    thread_binding,
-)
+from vllm_neuron_sched.binding import thread_binding
+from vllm_neuron_sched.testing.checkpoint import ensure_checkpoint
+from vllm_neuron_sched.testing.server import SERVED_MODEL, OpenAIServer, engine_args
 
 ENGINE = {
     "dtype": "float32",
@@ -60,8 +58,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-
-    from vllm_neuron_sched.demo import ensure_checkpoint
 
     checkpoint = ensure_checkpoint()
     logs = Path(tempfile.mkdtemp(prefix="serve_tp_"))

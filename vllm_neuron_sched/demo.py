@@ -26,18 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_neuron_sched import envs
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.diagnostics import error_lines
+from vllm_neuron_sched.testing.checkpoint import ensure_checkpoint
 
-DEFAULT_CHECKPOINT = Path.home() / ".cache" / "vllm_neuron_sched" / "tiny-llama"
 _RESULT = "DEMO_RESULT:"
-
-
-def ensure_checkpoint(path: Path = DEFAULT_CHECKPOINT) -> Path:
-    from vllm_neuron_sched.testing.checkpoint import make_checkpoint
-
-    if not (path / "config.json").exists():
-        make_checkpoint(path)
-    return path
 
 
 def _run_mode(is_async: bool, tp: int, num_requests: int, max_tokens: int) -> dict:
@@ -167,8 +160,6 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:
-        from vllm_neuron_sched.testing.server import thread_binding
-
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", thread_binding(args.tp))
     if args.child:
         is_async = args.child == "async"

@@ -105,6 +105,3 @@ class CounterPublisher:
                 help_text,
             )
             self._file.write_value(key, float(value), now)
-
-    def close(self) -> None:
-        self._file.close()

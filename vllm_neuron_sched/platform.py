@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
 from vllm_neuron_sched import envs
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.core.limits import RequestLimits
 from vllm_neuron_sched.metrics import setup_metrics_export
 
@@ -65,18 +66,8 @@ def check_thread_binding(num_local_workers: int) -> None:
     num_nodes = len(get_visible_memory_node())
     if num_local_workers <= num_nodes:
         return
-    cpus = sorted(cpu.id for cpu in get_allowed_cpu_list())
-    if len(cpus) >= num_local_workers:
-        per_worker = len(cpus) // num_local_workers
-        groups = [
-            cpus[i * per_worker : (i + 1) * per_worker]
-            for i in range(num_local_workers)
-        ]
-        binding = "|".join(
-            str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups
-        )
-    else:
-        binding = "|".join(str(cpus[r % len(cpus)]) for r in range(num_local_workers))
+    cpus = [cpu.id for cpu in get_allowed_cpu_list()]
+    binding = thread_binding(num_local_workers, cpus)
     raise ValueError(
         f"{num_local_workers} CPU workers on this node (tensor x pipeline "
         "parallel ranks here, times data-parallel replicas) but "

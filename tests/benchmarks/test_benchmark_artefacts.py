@@ -18,6 +18,9 @@ NUM_DECODES = 12
     "module",
     [
         "benchmarks.run",
+        "benchmarks.configs",
+        "benchmarks.summary",
+        "benchmarks.report",
         "benchmarks.child",
         "benchmarks.analysis",
         "benchmarks.bench_serve",

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
+from vllm_neuron_sched.testing.metrics_scrape import metric_by_label
 from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
     OpenAIServer,
     engine_args,
     greedy_completion,
-    metric_by_label,
-    thread_binding,
 )
 from vllm_neuron_sched.testing.workloads import (
     SERVER_ENGINE,

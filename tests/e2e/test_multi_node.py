@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
+from vllm_neuron_sched.testing.kills import kill_mid_stream
 from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
     HeadlessNode,
@@ -25,8 +27,6 @@ from vllm_neuron_sched.testing.server import (
     engine_args,
     free_port,
     greedy_completion,
-    kill_mid_stream,
-    thread_binding,
 )
 from vllm_neuron_sched.testing.workloads import (
     SERVER_ENGINE,

@@ -31,14 +31,9 @@ from typing import Any
 import openai
 import pytest
 
-from vllm_neuron_sched.testing.server import (
-    SERVED_MODEL,
-    OpenAIServer,
-    engine_args,
-    kill_mid_stream,
-    kill_titled,
-    thread_binding,
-)
+from vllm_neuron_sched.binding import thread_binding
+from vllm_neuron_sched.testing.kills import kill_mid_stream, kill_titled
+from vllm_neuron_sched.testing.server import SERVED_MODEL, OpenAIServer, engine_args
 from vllm_neuron_sched.testing.workloads import SERVER_ENGINE
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -19,15 +19,14 @@ from typing import Any
 import openai
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
+from vllm_neuron_sched.testing.kills import kill_mid_stream, kill_titled
 from vllm_neuron_sched.testing.oracle import greedy_tokens
 from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
     engine_args,
     greedy_completion,
-    kill_mid_stream,
-    kill_titled,
-    thread_binding,
 )
 from vllm_neuron_sched.testing.workloads import (
     SERVER_ENGINE,

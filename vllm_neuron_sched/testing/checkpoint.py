@@ -15,6 +15,10 @@ from pathlib import Path
 
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
 
+# Checkpoints made once and reused by later runs (demo, benchmarks, stress).
+CACHE_DIR = Path.home() / ".cache" / "vllm_neuron_sched"
+DEFAULT_CHECKPOINT = CACHE_DIR / "tiny-llama"
+
 # A ChatML-style template, so the OpenAI chat endpoint works on the checkpoint.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -127,6 +131,16 @@ def make_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> Pat
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     (path / "neuron_sched_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
+    return path
+
+
+def ensure_checkpoint(
+    path: Path = DEFAULT_CHECKPOINT, spec: CheckpointSpec | None = None
+) -> Path:
+    """``path``, made with ``spec`` the first time: a run that finds a
+    checkpoint there uses it (random weights take seconds to a minute)."""
+    if not (path / "config.json").exists():
+        make_checkpoint(path, spec)
     return path
 
 

@@ -1,30 +1,29 @@
 """An OpenAI server in a subprocess on a free loopback port, for tests and
 benchmarks: start, wait until healthy, read ``/metrics``, stop (always, by
-killing its process group).
+killing its process group). Parsing ``/metrics`` is ``metrics_scrape``'s;
+killing a server's process mid-stream is ``kills``'.
 
+    env = {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(4)}  # binding.py
     with OpenAIServer.start(checkpoint, ["--tensor-parallel-size", "4"],
-                            env={"VLLM_CPU_OMP_THREADS_BIND": thread_binding(4)},
-                            log=Path("/tmp/server.log")) as server:
+                            log=Path("/tmp/server.log"), env=env) as server:
         client = server.client()
 """
 
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from vllm_neuron_sched.metrics import METRICS_DIR_ENV
+from vllm_neuron_sched.testing.metrics_scrape import parse_metrics
 from vllm_neuron_sched.testing.workloads import SERVER_MAX_TOKENS
 
 SERVED_MODEL = "tiny-llama"
@@ -34,13 +33,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def thread_binding(world_size: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` sharing this process's cores round-robin
-    among ``world_size`` workers (TP=4 on 2 cores: ``0|1|0|1``)."""
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[rank % len(cores)]) for rank in range(world_size))
 
 
 def engine_args(engine: dict[str, Any]) -> list[str]:
@@ -65,23 +57,6 @@ def stop_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def wait_gone(processes: list[Any], timeout_s: float) -> list[Any]:
-    """Waits until none of ``processes`` (psutil) runs; returns the ones
-    still alive at the timeout (zombies count as gone)."""
-    import psutil
-
-    def alive(process: Any) -> bool:
-        try:
-            return process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + timeout_s
-    while (left := [p for p in processes if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def _server_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -297,111 +272,3 @@ async def greedy_completion(
     async for chunk in await client.completions.create(stream=True, **request):
         token_ids += chunk.choices[0].token_ids or []
     return token_ids
-
-
-def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
-    """One metric's samples summed per value of one label, e.g. per
-    ``engine`` (data-parallel replica)."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)\{([^}]*)\} ([-+\w.]+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-        if label in labels:
-            key = labels[label]
-            values[key] = values.get(key, 0.0) + float(match.group(3))
-    return values
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([-+\w.]+)$", line)
-        if match:
-            name = match.group(1)
-            values[name] = values.get(name, 0.0) + float(match.group(3))
-    return values
-
-
-@dataclass
-class DeathReport:
-    """What the clients and the process table saw after a kill mid-stream."""
-
-    outcomes: list[str]  # per request: "completed: ..." or "error ...: ..."
-    exit_s: float | None  # kill to the API server's exit; None: still running
-    survivors: list[Any]  # processes of the server alive 30 s after its exit
-
-
-def kill_titled(title: str) -> Callable[[list[Any]], None]:
-    """SIGKILL to the server's process that vLLM titled ``title``, e.g.
-    ``VLLM::Worker_TP2`` or ``VLLM::EngineCore``."""
-
-    def kill(processes: list[Any]) -> None:
-        victim = next(p for p in processes if p.cmdline()[:1] == [title])
-        victim.send_signal(signal.SIGKILL)
-
-    return kill
-
-
-async def kill_mid_stream(
-    server: OpenAIServer,
-    kill: Callable[[list[Any]], None],
-    num_streams: int = 3,
-    timeout_s: float = 60,
-    sim_device_ms: float = 50,
-) -> DeathReport:
-    """Starts ``num_streams`` long greedy streams and one non-streamed
-    request on a device slowed to ``sim_device_ms`` per execution, calls
-    ``kill`` with the server's processes once every stream has tokens, and
-    reports how the requests ended and whether the server exited within
-    ``timeout_s``. Needs ``VLLM_SERVER_DEV_MODE=1`` on the server."""
-    import openai
-
-    client = server.client(timeout_s=timeout_s)
-    params = {
-        "model": SERVED_MODEL,
-        "prompt": list(range(10, 20)),
-        "max_tokens": 200,
-        "temperature": 0.0,
-        "extra_body": {"ignore_eos": True},
-    }
-    await client.completions.create(**{**params, "max_tokens": 4})  # warm
-    # A slow device keeps every request in flight until the death is noticed
-    # (vLLM takes seconds to notice a dead worker).
-    await server.collective_rpc("set_sim_device_ms", [sim_device_ms])
-    streaming = asyncio.Barrier(num_streams + 1)
-
-    async def stream() -> str:
-        num_chunks = 0
-        try:
-            async for _ in await client.completions.create(stream=True, **params):
-                num_chunks += 1
-                if num_chunks == 3:
-                    await streaming.wait()
-        except openai.APIError as error:
-            return f"error after {num_chunks} chunks: {error}"
-        return f"completed: {num_chunks} chunks"
-
-    async def complete() -> str:
-        try:
-            await client.completions.create(**params)
-        except openai.APIStatusError as error:
-            return f"error {error.status_code}: {error}"
-        return "completed"
-
-    requests = [asyncio.create_task(stream()) for _ in range(num_streams)]
-    requests.append(asyncio.create_task(complete()))
-    await asyncio.wait_for(streaming.wait(), timeout=timeout_s)
-    processes = server.processes()
-    kill(processes[1:])
-    killed_at = time.monotonic()
-    outcomes = await asyncio.wait_for(asyncio.gather(*requests), timeout=timeout_s)
-    while server.proc.poll() is None and time.monotonic() - killed_at < timeout_s:
-        await asyncio.sleep(0.2)
-    exited = server.proc.poll() is not None
-    return DeathReport(
-        outcomes=list(outcomes),
-        exit_s=time.monotonic() - killed_at if exited else None,
-        survivors=wait_gone(processes[1:], timeout_s=30) if exited else [],
-    )

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_neuron_sched.testing.checkpoint import ensure_checkpoint
+
 _MODULE = "vllm_neuron_sched.testing.stress_starts"
 _MARKER = "STRESS_START_OK:"
 ENGINE = {
@@ -85,8 +87,6 @@ def main() -> int:
         "--logs", default=None, help="where failed starts' logs go (default: a tmp dir)"
     )
     args = parser.parse_args()
-
-    from vllm_neuron_sched.demo import ensure_checkpoint
 
     model = args.model or str(ensure_checkpoint())
     logs = Path(args.logs or tempfile.mkdtemp(prefix="stress_starts_"))
