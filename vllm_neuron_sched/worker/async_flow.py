@@ -51,7 +51,11 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ModelRunnerOutput
 
     from vllm_neuron_sched.runtime import Device, DeviceFuture, Materializer
-    from vllm_neuron_sched.worker.host_state import HostRequestState, Placeholders
+    from vllm_neuron_sched.worker.host_state import (
+        HostRequestState,
+        Placeholders,
+        StepUpdate,
+    )
 
 
 class StepState(Enum):
@@ -157,9 +161,10 @@ class AsyncFlow:
 
     # ---- one step, main thread ---------------------------------------------
 
-    def begin_step(self, scheduler_output: "SchedulerOutput") -> None:
-        """Retires every step but the newest (their outputs were read by now);
-        counts the dead tokens of requests that stopped."""
+    def begin_step(self, scheduler_output: "SchedulerOutput") -> "StepUpdate":
+        """Brings host state to this step: retires every step but the newest
+        (their outputs were read by now), then applies the scheduler's
+        decisions; counts the dead tokens of requests that stopped."""
         self.step += 1
         self.device.tag = self.step
         self._needed_unread = False
@@ -171,12 +176,11 @@ class AsyncFlow:
             if previous.number == self.step - 1:
                 self.dead_tokens += len(finished & previous.placeholders.keys())
         self.retire(keep_newest=True)
-
-    def requests_finished(self, finished: list[tuple[str, list[int]]]) -> None:
-        """Requests that stopped or were aborted, with their histories."""
-        for req_id, history in finished:
+        update = self.host.update(scheduler_output)
+        for req_id, history in update.finished:
             for observer in self._observers:
                 observer.request_finished(req_id, history)
+        return update
 
     def push(self, step: InFlightStep) -> None:
         self.in_flight.append(step)

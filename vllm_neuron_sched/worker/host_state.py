@@ -9,6 +9,7 @@ output thread only reads device results.
 """
 
 import hashlib
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +35,20 @@ PLACEHOLDER_TOKEN_ID = -1
 # list itself is held, so a finished request's history is completed too.
 Placeholders = dict[str, tuple[list[int], int]]
 # A prompt chunk's logprobs job for the forward (prompt_logprobs_on_device):
-# (row offset, chunk start, target ids, logprobs wanted, the request's buffer).
+# (batch row, chunk start, target ids, logprobs wanted, the request's buffer).
 PromptLogprobsJob = tuple[int, int, torch.Tensor, int, LogprobsTensors]
+
+
+@dataclass
+class StepUpdate:
+    """What applying one step's scheduler decisions leaves for the step."""
+
+    # Requests that left, with their histories (may still end in placeholders).
+    finished: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Prompt chunks whose logprobs the forward computes, and the buffers that
+    # are complete after this step (returned with its output).
+    prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
 
 
 class HostRequestState:
@@ -82,18 +95,15 @@ class HostRequestState:
 
     # ---- the scheduler's decisions -----------------------------------------
 
-    def update(
-        self, scheduler_output: "SchedulerOutput"
-    ) -> list[tuple[str, list[int]]]:
+    def update(self, scheduler_output: "SchedulerOutput") -> StepUpdate:
         """Applies the scheduler's decisions: the batch ends up holding exactly
-        this step's requests. Returns the finished requests and their
-        histories (which may still end in placeholders)."""
+        this step's requests, in the row order of the step's inputs."""
         batch = self.batch
-        finished = []
+        update = StepUpdate()
         for req_id in scheduler_output.finished_req_ids:
             if (state := self.requests.pop(req_id, None)) is not None:
                 self.tokens.release(req_id)
-                finished.append((req_id, state.output_token_ids))
+                update.finished.append((req_id, state.output_token_ids))
             self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
 
@@ -131,7 +141,9 @@ class HostRequestState:
             batch.add_request(state)
         batch.condense()
         batch.refresh_metadata()
-        return finished
+        if self.num_prompt_logprobs:
+            self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
+        return update
 
     def _new_request(self, new: Any) -> CachedRequestState:
         params = new.sampling_params
@@ -205,37 +217,34 @@ class HostRequestState:
 
     # ---- prompt logprobs ----------------------------------------------------
 
-    def prompt_logprobs_jobs(
-        self, inputs: "StepInputs"
-    ) -> tuple[list[PromptLogprobsJob], dict[str, LogprobsTensors]]:
-        """Device jobs that fill each row's prompt-logprobs buffer, and the
-        buffers complete after this step (returned with its output)."""
-        jobs: list[PromptLogprobsJob] = []
-        completed: dict[str, LogprobsTensors] = {}
-        if not self.num_prompt_logprobs:
-            return jobs, completed
-        offsets = inputs.row_offsets.tolist()
-        for row, req_id in enumerate(inputs.req_ids):
-            num_logprobs = self.num_prompt_logprobs.get(req_id)
+    def _prompt_logprobs(
+        self, num_scheduled_tokens: dict[str, int], update: StepUpdate
+    ) -> None:
+        """Each scheduled prompt chunk's logprobs job, into its request's
+        buffer; a buffer is complete with the prompt's last chunk."""
+        batch = self.batch
+        for req_id, num_logprobs in list(self.num_prompt_logprobs.items()):
+            row = batch.req_id_to_index.get(req_id)
             state = self.requests[req_id]
-            if num_logprobs is None or state.prompt_token_ids is None:
+            if row is None or state.prompt_token_ids is None:
                 continue
             prompt = state.prompt_token_ids
             buffer = state.in_progress_prompt_logprobs_cpu
             if buffer is None:
                 buffer = LogprobsTensors.empty_cpu(len(prompt) - 1, num_logprobs + 1)
                 state.in_progress_prompt_logprobs_cpu = buffer
-            start = int(inputs.num_computed[row])
-            num_scheduled = int(inputs.num_scheduled[row])
+            start = state.num_computed_tokens
+            num_scheduled = num_scheduled_tokens[req_id]
             num_logits = min(num_scheduled, len(prompt) - 1 - start)
             if num_logits > 0:
                 targets = torch.tensor(prompt[start + 1 : start + 1 + num_logits])
-                jobs.append((offsets[row], start, targets, num_logprobs, buffer))
+                update.prompt_logprobs_jobs.append(
+                    (row, start, targets, num_logprobs, buffer)
+                )
             if start + num_scheduled >= len(prompt):
-                completed[req_id] = buffer
+                update.prompt_logprobs[req_id] = buffer
                 del self.num_prompt_logprobs[req_id]
                 state.in_progress_prompt_logprobs_cpu = None
-        return jobs, completed
 
     # ---- TP consistency -----------------------------------------------------
 

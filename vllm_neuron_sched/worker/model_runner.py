@@ -52,7 +52,11 @@ from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import finishes_failed_requests
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
-from vllm_neuron_sched.worker.host_state import HostRequestState, PromptLogprobsJob
+from vllm_neuron_sched.worker.host_state import (
+    HostRequestState,
+    PromptLogprobsJob,
+    StepUpdate,
+)
 from vllm_neuron_sched.worker.inputs import (
     StepInputs,
     build_attention_metadata,
@@ -267,8 +271,7 @@ class NeuronSchedModelRunner:
     ) -> ModelRunnerOutput | None:
         """Enqueues the step's forward; None: ``sample_tokens`` follows."""
         with self.flow.host_section("execute_model"):
-            self.flow.begin_step(scheduler_output)
-            self.flow.requests_finished(self.host.update(scheduler_output))
+            update = self.flow.begin_step(scheduler_output)
             self.kv_cache.zero_blocks(
                 getattr(scheduler_output, "new_block_ids_to_zero", None)
             )
@@ -279,7 +282,7 @@ class NeuronSchedModelRunner:
                 self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
             inputs = self._build_inputs(scheduler_output)
-            self._forward = self._enqueue_forward(scheduler_output, inputs)
+            self._forward = self._enqueue_forward(scheduler_output, inputs, update)
             return None
 
     @torch.inference_mode()
@@ -324,9 +327,12 @@ class NeuronSchedModelRunner:
         )
 
     def _enqueue_forward(
-        self, scheduler_output: "SchedulerOutput", inputs: StepInputs
+        self,
+        scheduler_output: "SchedulerOutput",
+        inputs: StepInputs,
+        update: StepUpdate,
     ) -> ForwardState:
-        jobs, prompt_logprobs = self.host.prompt_logprobs_jobs(inputs)
+        jobs = update.prompt_logprobs_jobs
         logits = self.device.enqueue(
             self._forward_on_device,
             inputs.input_ids,
@@ -337,8 +343,9 @@ class NeuronSchedModelRunner:
             inputs.num_tokens_padded,
             inputs.logits_indices if inputs.has_samples else None,
             jobs,
+            inputs.row_offsets if jobs else None,
         )
-        return ForwardState(scheduler_output, inputs, logits, prompt_logprobs)
+        return ForwardState(scheduler_output, inputs, logits, update.prompt_logprobs)
 
     def _forward_on_device(
         self,
@@ -350,6 +357,7 @@ class NeuronSchedModelRunner:
         num_tokens_padded: int,
         logits_indices: torch.Tensor | None,
         prompt_logprobs_jobs: list[PromptLogprobsJob],
+        row_offsets: np.ndarray | None,
     ) -> torch.Tensor | None:
         """Runs on the device: decode rows' ids from the token table, then the
         model at its padded shape."""
@@ -362,12 +370,14 @@ class NeuronSchedModelRunner:
                 slot_mapping=slot_mapping,
             ):
                 hidden_states = self.model(input_ids=input_ids, positions=positions)
-            for job in prompt_logprobs_jobs:
+            for row, *job in prompt_logprobs_jobs:
+                assert row_offsets is not None
                 prompt_logprobs_on_device(
                     self.model,
                     self.sampler,
                     self.model_config.logprobs_mode,
                     hidden_states,
+                    int(row_offsets[row]),
                     *job,
                 )
             if logits_indices is None:

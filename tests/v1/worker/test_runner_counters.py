@@ -8,8 +8,6 @@ device was done could never show a fallback there: each test runs on the
 default device and on a device thread and expects the same counts.
 """
 
-import pytest
-
 from vllm_neuron_sched.testing.toy_runner import (
     EngineLoop,
     ScriptedScheduler,
@@ -17,16 +15,6 @@ from vllm_neuron_sched.testing.toy_runner import (
     toy_runner,
 )
 from vllm_neuron_sched.worker.async_flow import StepState
-
-
-@pytest.fixture
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "thread":
-        monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
-    else:
-        monkeypatch.delenv("VLLM_NEURON_SCHED_DEVICE", raising=False)
-        monkeypatch.delenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", raising=False)
-    return request.param
 
 
 def _counts(loop: EngineLoop) -> dict[str, int]:
@@ -49,7 +37,6 @@ def _assert_tokens(loop: EngineLoop, sched_prompts: dict[str, list[int]]) -> Non
 PROMPTS = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3, 5, 8, 9, 7]}
 
 
-@pytest.mark.parametrize("backend", ["default", "thread"], indirect=True)
 def test_decode_steps_fed_from_the_table_count_async(backend: str) -> None:
     """Fails if decode rows took their ids from the host instead."""
     sched = _scheduler(**PROMPTS)
@@ -70,7 +57,6 @@ def test_decode_steps_fed_from_the_table_count_async(backend: str) -> None:
     _assert_tokens(loop, PROMPTS)
 
 
-@pytest.mark.parametrize("backend", ["default", "thread"], indirect=True)
 def test_a_step_the_engine_has_not_read_is_a_fallback(backend: str) -> None:
     """Three steps in flight where the batch queue allows two: the third
     must read the first before the engine did (a done device changes
@@ -97,7 +83,6 @@ def test_a_step_the_engine_has_not_read_is_a_fallback(backend: str) -> None:
     _assert_tokens(loop, {"a": PROMPTS["a"]})
 
 
-@pytest.mark.parametrize("backend", ["default", "thread"], indirect=True)
 def test_an_rpc_that_drains_the_flow_is_a_host_wait(backend: str) -> None:
     sched = _scheduler(a=PROMPTS["a"])
     with toy_runner(is_async=True) as runner:
@@ -114,7 +99,6 @@ def test_an_rpc_that_drains_the_flow_is_a_host_wait(backend: str) -> None:
     _assert_tokens(loop, {"a": PROMPTS["a"]})
 
 
-@pytest.mark.parametrize("backend", ["default", "thread"], indirect=True)
 def test_sync_mode_waits_in_every_step(backend: str) -> None:
     """A prompt chunk that samples nothing included: its host reads the
     forward's result before the engine moves on."""

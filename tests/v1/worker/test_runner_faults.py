@@ -22,16 +22,6 @@ A = [3, 1, 4, 1, 5]
 LONG = [(7 * i + 2) % 97 for i in range(70)]  # chunks of 32, 32 and 6
 
 
-@pytest.fixture(params=["default", "thread"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "thread":
-        monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "thread")
-    else:
-        monkeypatch.delenv("VLLM_NEURON_SCHED_DEVICE", raising=False)
-        monkeypatch.delenv("VLLM_NEURON_SCHED_SIM_DEVICE_MS", raising=False)
-    return request.param
-
-
 MODES = pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 
 
