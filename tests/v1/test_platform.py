@@ -55,9 +55,13 @@ def test_automatic_binding_refused_with_the_variable_to_set(
         check_thread_binding(2)
 
 
-def test_a_node_has_a_device_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_has_a_device_per_worker() -> None:
     """vLLM groups ranks into nodes by ``rank // device_count()``."""
-    monkeypatch.setattr(NeuronSchedPlatform, "_workers_per_node", 1)
-    assert NeuronSchedPlatform.device_count() == 1
-    NeuronSchedPlatform.set_workers_per_node(2)
-    assert NeuronSchedPlatform.device_count() == 2
+    before = NeuronSchedPlatform.device_count()
+    try:
+        NeuronSchedPlatform.set_workers_per_node(1)
+        assert NeuronSchedPlatform.device_count() == 1
+        NeuronSchedPlatform.set_workers_per_node(2)
+        assert NeuronSchedPlatform.device_count() == 2
+    finally:
+        NeuronSchedPlatform.set_workers_per_node(before)

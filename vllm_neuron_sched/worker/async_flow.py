@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.outputs import AsyncModelRunnerOutput
+
 from vllm_neuron_sched.core.step_view import BatchShape
 
 if TYPE_CHECKING:
@@ -182,13 +184,22 @@ class AsyncFlow:
                 observer.request_finished(req_id, history)
         return update
 
-    def push(self, step: InFlightStep) -> None:
+    def end_step(
+        self, step: InFlightStep, shape: BatchShape, num_table_rows: int
+    ) -> "ModelRunnerOutput | AsyncStepOutput":
+        """Puts a step that enqueued work in flight, classifies it
+        (``num_table_rows``: decode rows whose input ids the forward reads
+        from the token table) and returns its output to the engine: with the
+        batch queue (depth > 1) a future the engine reads later, else the
+        output itself, read now."""
         self.in_flight.append(step)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
-
-    def end_step(self, shape: BatchShape, num_table_rows: int) -> None:
-        """Classifies a step that enqueued work (``num_table_rows``: decode
-        rows whose input ids the forward reads from the token table)."""
+        output: ModelRunnerOutput | AsyncStepOutput
+        if self.queue_depth > 1:
+            output = AsyncStepOutput(self, step)
+        else:
+            output = self.read(step)
+            self.retire()
         if self._needed_unread:
             state = StepState.SYNC_FALLBACK
             self.sync_fallback_steps += 1
@@ -201,6 +212,7 @@ class AsyncFlow:
             self.prefill_steps += 1
         for observer in self._observers:
             observer.step_ended(self.step, state)
+        return output
 
     def retire(self, keep_newest: bool = False) -> None:
         """Applies steps to host state, oldest first. Steps before the newest
@@ -306,3 +318,16 @@ def _wait_quietly(future: "DeviceFuture[Any]") -> None:
     """Waits for a device result; a failure surfaces where it is read."""
     with suppress(Exception):
         future.result()
+
+
+class AsyncStepOutput(AsyncModelRunnerOutput):
+    """A step's output in async mode. ``get_output()`` runs on the executor's
+    async output thread (output rank) or the engine thread (uniproc); it only
+    turns the device result into host lists."""
+
+    def __init__(self, flow: AsyncFlow, step: InFlightStep) -> None:
+        self._flow = flow
+        self._step = step
+
+    def get_output(self) -> "ModelRunnerOutput":
+        return self._flow.output_read(self._step)

@@ -2,10 +2,12 @@
 
 One step, on the worker's main thread::
 
-    execute_model:  retire the steps the engine has read -> host state from
-                    the scheduler's decisions -> inputs -> enqueue forward
-    sample_tokens:  enqueue sampling -> push the step (its placeholders) ->
-                    its output, now (sync) or as a future (async)
+    execute_model:  flow.begin_step (retire the steps the engine has read,
+                    then host state from the scheduler's decisions) ->
+                    zero new KV blocks -> inputs -> enqueue the forward
+    sample_tokens:  enqueue sampling -> placeholders in host state ->
+                    flow.end_step (in flight, counted; the output now in
+                    sync mode, a future in async mode)
 
 Every step that runs anything returns its output from ``sample_tokens``,
 also one whose rows all run prompt chunks that are not their last (it samples
@@ -50,7 +52,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import finishes_failed_requests
-from vllm_neuron_sched.worker.async_flow import AsyncFlow, InFlightStep
+from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
@@ -65,12 +67,8 @@ from vllm_neuron_sched.worker.inputs import (
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.sampling import (
-    AsyncStepOutput,
-    history_repairs,
-    make_output_materializer,
+    enqueue_sampling,
     prompt_logprobs_on_device,
-    sample_on_device,
-    snapshot_sampling_metadata,
 )
 from vllm_neuron_sched.worker.timeline import StepTimeline
 from vllm_neuron_sched.worker.token_table import DeviceTokens, TableGather
@@ -295,16 +293,25 @@ class NeuronSchedModelRunner:
         if forward is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.flow.host_section("sample_tokens"):
-            step = self._enqueue_sampling(forward, grammar_output)
-            self.flow.push(step)
-            output: ModelRunnerOutput | AsyncStepOutput
-            if self.is_async:
-                output = AsyncStepOutput(self.flow, step)
-            else:
-                output = self.flow.read(step)
-                self.flow.retire()
-            self.flow.end_step(forward.inputs.shape, forward.inputs.num_table_rows)
-            return output
+            inputs = forward.inputs
+            result, output = enqueue_sampling(
+                self.device,
+                self.sampler,
+                self.tokens,
+                forward.logits,
+                inputs,
+                self.host.batch.sampling_metadata,
+                None
+                if grammar_output is None
+                else (forward.scheduler_output, grammar_output),
+                forward.prompt_logprobs,
+                self.fails_requests_alone,
+            )
+            # Placeholders once sampling is enqueued: it reads the histories
+            # as they were (at enqueue, or the snapshot).
+            placeholders = self.host.add_placeholders(inputs)
+            step = InFlightStep(self.flow.step, result, output, placeholders)
+            return self.flow.end_step(step, inputs.shape, inputs.num_table_rows)
 
     # ---- the step pipeline --------------------------------------------------
 
@@ -383,51 +390,6 @@ class NeuronSchedModelRunner:
             if logits_indices is None:
                 return None
             return self.model.compute_logits(hidden_states[logits_indices])
-
-    def _enqueue_sampling(
-        self, forward: ForwardState, grammar_output: "GrammarOutput | None"
-    ) -> InFlightStep:
-        """The step's last execution: sampling, or for a step that samples
-        nothing its forward (whose failure must reach the requests too)."""
-        inputs = forward.inputs
-        result = forward.logits
-        if inputs.has_samples:
-            result = self._enqueue_sampler(forward, grammar_output)
-        return InFlightStep(
-            number=self.flow.step,
-            result=result,
-            output=make_output_materializer(
-                result,
-                inputs.req_ids,
-                inputs.is_sampled,
-                forward.prompt_logprobs,
-                self.fails_requests_alone,
-            ),
-            placeholders=self.host.add_placeholders(inputs),
-        )
-
-    def _enqueue_sampler(
-        self, forward: ForwardState, grammar_output: "GrammarOutput | None"
-    ) -> "DeviceFuture":
-        inputs = forward.inputs
-        metadata = self.host.batch.sampling_metadata
-        repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
-        if not self.device.runs_at_enqueue:
-            metadata = snapshot_sampling_metadata(metadata)
-        grammar = None
-        if grammar_output is not None:
-            grammar = (forward.scheduler_output, grammar_output, list(inputs.req_ids))
-        return self.device.enqueue(
-            sample_on_device,
-            self.sampler,
-            self.tokens,
-            forward.logits,
-            metadata,
-            inputs.sample_slots,
-            np.flatnonzero(~inputs.is_sampled).tolist(),
-            repairs,
-            grammar,
-        )
 
     def _dummy_forward(self, num_tokens: int) -> None:
         with (

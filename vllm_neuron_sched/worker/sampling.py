@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from vllm.logger import init_logger
-from vllm.v1.outputs import AsyncModelRunnerOutput, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_neuron_sched.worker.async_flow import AsyncFlow, InFlightStep
+    from vllm_neuron_sched.runtime import Device
+    from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
@@ -180,6 +181,42 @@ def prompt_logprobs_on_device(
     buffer.selected_token_ranks[chunk].copy_(ranks)
 
 
+def enqueue_sampling(
+    device: "Device",
+    sampler: "Sampler",
+    tokens: "DeviceTokens",
+    logits: DeviceFuture,
+    inputs: "StepInputs",
+    metadata: "SamplingMetadata",
+    grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
+    prompt_logprobs: dict[str, LogprobsTensors],
+    fails_requests_alone: bool,
+) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
+    """The step's last execution and its output: sampling, or for a step that
+    samples nothing its forward (whose failure must reach the requests too).
+    ``metadata``: the input batch's, read now or (threaded device) snapshot."""
+    result = logits
+    if inputs.has_samples:
+        repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
+        if not device.runs_at_enqueue:
+            metadata = snapshot_sampling_metadata(metadata)
+        result = device.enqueue(
+            sample_on_device,
+            sampler,
+            tokens,
+            logits,
+            metadata,
+            inputs.sample_slots,
+            np.flatnonzero(~inputs.is_sampled).tolist(),
+            repairs,
+            None if grammar is None else (*grammar, list(inputs.req_ids)),
+        )
+    output = make_output_materializer(
+        result, inputs.req_ids, inputs.is_sampled, prompt_logprobs, fails_requests_alone
+    )
+    return result, output
+
+
 def make_output_materializer(
     result: DeviceFuture,
     req_ids: Sequence[str],
@@ -245,16 +282,3 @@ def _root_cause(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     return repr(error)
-
-
-class AsyncStepOutput(AsyncModelRunnerOutput):
-    """Returned by ``sample_tokens`` in async mode. ``get_output()`` runs on the
-    executor's async output thread (output rank) or the engine thread
-    (uniproc); it only turns the device result into host lists."""
-
-    def __init__(self, flow: "AsyncFlow", step: "InFlightStep") -> None:
-        self._flow = flow
-        self._step = step
-
-    def get_output(self) -> ModelRunnerOutput:
-        return self._flow.output_read(self._step)
