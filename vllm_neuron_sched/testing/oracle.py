@@ -16,9 +16,22 @@ import sys
 from typing import Any
 
 from vllm_neuron_sched.diagnostics import error_lines
+from vllm_neuron_sched.metrics import METRICS_DIR_ENV
 
 _MARKER = "NEURON_SCHED_RESULT:"
 _results: dict[str, list[dict[str, Any]]] = {}
+# Variables set in a process that starts an engine in-process (tests do), by
+# vLLM or by our platform (its counters' directory): a child sets its own when
+# its engine starts, they do not change its tokens, so the oracle cache must
+# not miss on them.
+_SET_AT_ENGINE_START = frozenset(
+    {
+        "VLLM_DIST_IDENT",
+        "VLLM_DISABLE_SHARED_EXPERTS_STREAM",
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        METRICS_DIR_ENV,
+    }
+)
 
 
 def generate_in_subprocess(
@@ -41,10 +54,12 @@ def generate_in_subprocess(
         "engine_kwargs": engine_kwargs or {},
     }
     full_env = {**os.environ, **(env or {})}
-    key = json.dumps(
-        [spec, sorted((k, v) for k, v in full_env.items() if k.startswith("VLLM"))],
-        sort_keys=True,
-    )
+    run_env = {
+        k: v
+        for k, v in full_env.items()
+        if k.startswith("VLLM") and k not in _SET_AT_ENGINE_START
+    }
+    key = json.dumps([spec, sorted(run_env.items())], sort_keys=True)
     if key not in _results:
         _results[key] = _run_child(spec, full_env, timeout_s)
     return copy.deepcopy(_results[key])
