@@ -197,6 +197,14 @@ class ScriptedScheduler:
     requests: dict[str, ScriptedRequest] = field(default_factory=dict)
     _finished: set[str] = field(default_factory=set)
 
+    @classmethod
+    def of(cls, prompts: dict[str, list[int]]) -> "ScriptedScheduler":
+        """A scheduler that knows these requests (none scheduled yet)."""
+        sched = cls()
+        for req_id, prompt in prompts.items():
+            sched.add(req_id, prompt)
+        return sched
+
     def add(
         self, req_id: str, prompt: list[int], repetition_penalty: float = 1.0
     ) -> None:

@@ -105,10 +105,8 @@ def _assert_no_fallback(runner: NeuronSchedModelRunner, num_async: int) -> None:
 
 @pytest.mark.usefixtures("thread_device")
 def test_join_right_after_a_prefill() -> None:
-    sched = ScriptedScheduler()
     prompts = {"a": _prompt(1, 5), "b": _prompt(2, 9)}
-    for req_id, prompt in prompts.items():
-        sched.add(req_id, prompt)
+    sched = ScriptedScheduler.of(prompts)
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
         engine.run(sched.prefill("a"), sched.decode("a"), sched.decode("a"))
@@ -123,10 +121,8 @@ def test_join_right_after_a_prefill() -> None:
 
 @pytest.mark.usefixtures("thread_device")
 def test_finish_on_max_tokens() -> None:
-    sched = ScriptedScheduler()
     prompts = {"a": _prompt(3, 6), "b": _prompt(4, 11)}
-    for req_id, prompt in prompts.items():
-        sched.add(req_id, prompt)
+    sched = ScriptedScheduler.of(prompts)
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
         engine.run(sched.prefill("a"), sched.prefill("b"), sched.decode("a", "b"))
@@ -143,10 +139,8 @@ def test_finish_on_max_tokens() -> None:
 
 @pytest.mark.usefixtures("thread_device")
 def test_abort() -> None:
-    sched = ScriptedScheduler()
     prompts = {"a": _prompt(5, 4), "b": _prompt(6, 8), "c": _prompt(7, 3)}
-    for req_id, prompt in prompts.items():
-        sched.add(req_id, prompt)
+    sched = ScriptedScheduler.of(prompts)
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
         engine.run(*(sched.prefill(r) for r in prompts), sched.decode("a", "b", "c"))
@@ -161,11 +155,9 @@ def test_abort() -> None:
 
 @pytest.mark.usefixtures("thread_device")
 def test_reorder() -> None:
-    sched = ScriptedScheduler()
     prompts = {"a": _prompt(8, 5), "b": _prompt(9, 7), "c": _prompt(10, 2)}
     long_prompt = _prompt(11, 50)  # two chunks of 32
-    for req_id, prompt in prompts.items():
-        sched.add(req_id, prompt)
+    sched = ScriptedScheduler.of(prompts)
     sched.add("d", long_prompt)
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
@@ -182,10 +174,8 @@ def test_reorder() -> None:
 
 @pytest.mark.usefixtures("thread_device")
 def test_non_final_prompt_chunk_between_decodes() -> None:
-    sched = ScriptedScheduler()
     prompts = {"a": _prompt(12, 6), "d": _prompt(13, 70)}
-    for req_id, prompt in prompts.items():
-        sched.add(req_id, prompt)
+    sched = ScriptedScheduler.of(prompts)
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
         engine.run(sched.prefill("a"), sched.decode("a"))
@@ -224,10 +214,8 @@ def test_more_live_requests_than_token_slots() -> None:
     """Requests keep their slot while out of the batch (e.g. preempted): with
     more of them than ``max_num_seqs`` the table grows on the device, in
     order, and no token moves to another request."""
-    sched = ScriptedScheduler()
     prompts = {f"r{i}": _prompt(20 + i, 3 + i) for i in range(8)}
-    for req_id, prompt in prompts.items():
-        sched.add(req_id, prompt)
+    sched = ScriptedScheduler.of(prompts)
     first, second = list(prompts)[:4], list(prompts)[4:]
     with toy_runner(is_async=True) as runner:
         engine = Engine(runner)
