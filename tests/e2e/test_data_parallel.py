@@ -9,13 +9,14 @@ others are served.
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import openai
 import pytest
 
 from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.metrics_scrape import metric_by_label
-from vllm_neuron_sched.testing.oracle import greedy_tokens
+from vllm_neuron_sched.testing.oracle import start_greedy_tokens
 from vllm_neuron_sched.testing.server import (
     OpenAIServer,
     engine_args,
@@ -50,9 +51,15 @@ def server(
 
 
 @pytest.fixture(scope="module")
-def stock_tokens(checkpoint_dir: str) -> list[list[int]]:
+def stock_tokens(stock_run: Future[list[list[int]]]) -> list[list[int]]:
+    return stock_run.result()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stock_run(checkpoint_dir: str) -> Future[list[list[int]]]:
+    """Started with the module: stock's child runs while the server starts."""
     engine = {**ENGINE, "max_num_seqs": 4}
-    return greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine, STOCK_ENV)
+    return start_greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine, STOCK_ENV)
 
 
 async def test_both_replicas_serve_and_tokens_equal_stock(

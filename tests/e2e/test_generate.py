@@ -15,7 +15,11 @@ from unittest import mock
 
 import pytest
 
-from vllm_neuron_sched.testing.oracle import generate, generate_in_subprocess
+from vllm_neuron_sched.testing.oracle import (
+    generate,
+    generate_in_subprocess,
+    start_in_subprocess,
+)
 from vllm_neuron_sched.testing.workloads import (
     MIXED_BUDGETS,
     MIXED_LENGTHS,
@@ -64,13 +68,22 @@ def _seeded_params() -> list[dict[str, Any]]:
 def _run_stock(checkpoint: str, params: list[dict]) -> list[dict]:
     """Stock vLLM CPU in a fresh process: our platform plugin disabled."""
     return generate_in_subprocess(
-        checkpoint,
-        _prompts(),
-        params,
-        ENGINE,
-        env=STOCK_ENV,
-        timeout_s=900,
+        checkpoint, _prompts(), params, ENGINE, env=STOCK_ENV, timeout_s=900
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stock_runs(checkpoint_dir: str) -> None:
+    """Both stock children start with the module and run while our engines
+    start; the fixtures below wait for their results."""
+    churn_prompts, churn_params = _churn()
+    for prompts, params in (
+        (_prompts(), _greedy_params()),
+        (churn_prompts, churn_params),
+    ):
+        start_in_subprocess(
+            checkpoint_dir, prompts, params, ENGINE, env=STOCK_ENV, timeout_s=900
+        )
 
 
 def _assert_logprobs_close(ours: list | None, stock: list | None) -> None:
@@ -168,12 +181,7 @@ def test_seeded_sampling_async_equals_sync(engines: Callable[[str], Any]) -> Non
 def stock_churn(checkpoint_dir: str) -> list[dict]:
     prompts, params = _churn()
     return generate_in_subprocess(
-        checkpoint_dir,
-        prompts,
-        params,
-        ENGINE,
-        env=STOCK_ENV,
-        timeout_s=900,
+        checkpoint_dir, prompts, params, ENGINE, env=STOCK_ENV, timeout_s=900
     )
 
 

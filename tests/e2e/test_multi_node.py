@@ -14,13 +14,14 @@ minutes.
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.kills import kill_mid_stream
-from vllm_neuron_sched.testing.oracle import greedy_tokens
+from vllm_neuron_sched.testing.oracle import start_greedy_tokens
 from vllm_neuron_sched.testing.server import (
     HeadlessNode,
     OpenAIServer,
@@ -84,9 +85,15 @@ def nodes(
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(checkpoint_dir: str) -> list[list[int]]:
+def tp1_tokens(tp1_run: Future[list[list[int]]]) -> list[list[int]]:
+    return tp1_run.result()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tp1_run(checkpoint_dir: str) -> Future[list[list[int]]]:
+    """Started with the module: the TP=1 child runs while the nodes start."""
     engine = {**ENGINE, "max_num_seqs": 4}
-    return greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine)
+    return start_greedy_tokens(checkpoint_dir, PROMPTS, MAX_TOKENS, engine)
 
 
 async def test_two_nodes_equal_tp1_and_ranks_agree(

@@ -5,12 +5,10 @@ greedy float32 tokens must match token for token, although our scheduler never
 mixes prefill and decode and so forms different batches.
 """
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from vllm_neuron_sched.testing import workloads
-from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.oracle import start_in_subprocess
 
 pytestmark = pytest.mark.slow
 
@@ -24,19 +22,15 @@ def test_scheduler_cls_matches_stock_vllm(checkpoint_dir: str) -> None:
         "worker_cls": "vllm.v1.worker.cpu_worker.CPUWorker",
         "async_scheduling": False,
     }
-    # Two children at once: an engine start is mostly one core's work.
-    with ThreadPoolExecutor(2) as pool:
-        stock_run = pool.submit(
-            generate_in_subprocess,
-            checkpoint_dir,
-            prompts,
-            sampling,
-            workloads.SMALL_ENGINE,
-            env=workloads.STOCK_ENV,
-        )
-        ours_run = pool.submit(
-            generate_in_subprocess, checkpoint_dir, prompts, sampling, ours_engine
-        )
-        stock, ours = stock_run.result(), ours_run.result()
+    # Both children at once: each is mostly one core's work.
+    stock_run = start_in_subprocess(
+        checkpoint_dir,
+        prompts,
+        sampling,
+        workloads.SMALL_ENGINE,
+        env=workloads.STOCK_ENV,
+    )
+    ours_run = start_in_subprocess(checkpoint_dir, prompts, sampling, ours_engine)
+    stock, ours = stock_run.result(), ours_run.result()
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
     assert [len(r["token_ids"]) for r in ours] == workloads.MIXED_BUDGETS

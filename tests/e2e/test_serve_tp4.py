@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import openai
@@ -21,7 +22,7 @@ import pytest
 
 from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.kills import kill_mid_stream, kill_titled
-from vllm_neuron_sched.testing.oracle import greedy_tokens
+from vllm_neuron_sched.testing.oracle import start_greedy_tokens
 from vllm_neuron_sched.testing.server import (
     SERVED_MODEL,
     OpenAIServer,
@@ -74,11 +75,20 @@ def client(server: OpenAIServer) -> openai.AsyncOpenAI:
 
 
 @pytest.fixture(scope="module")
-def oracle_tokens(checkpoint_dir: str) -> dict[str, list[list[int]]]:
+def oracle_tokens(
+    oracle_runs: dict[str, Future[list[list[int]]]],
+) -> dict[str, list[list[int]]]:
     """Greedy tokens of our platform at TP=1 and of stock vLLM CPU."""
+    return {name: run.result() for name, run in oracle_runs.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def oracle_runs(checkpoint_dir: str) -> dict[str, Future[list[list[int]]]]:
+    """Started with the module (or by the data-parallel and two-node tests,
+    whose oracles these are): the children run while the server starts."""
     engine = {**ENGINE, "max_num_seqs": 4}
     return {
-        name: greedy_tokens(checkpoint_dir, _prompts(), MAX_TOKENS, engine, env)
+        name: start_greedy_tokens(checkpoint_dir, _prompts(), MAX_TOKENS, engine, env)
         for name, env in {"tp1": {}, "stock": STOCK_ENV}.items()
     }
 

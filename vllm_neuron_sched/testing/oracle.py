@@ -5,7 +5,10 @@ vLLM resolves its platform once per process, so stock vLLM
 processes. The child prints one JSON line with token ids (and logprobs).
 Results are kept for the life of the calling process: the same prompts,
 sampling, engine and environment give the same tokens, so test modules that
-ask for the same oracle start one engine between them.
+ask for the same oracle start one engine between them. A run can be started
+ahead (``start_in_subprocess``): a child is mostly one core's work (imports,
+loading, a short generation), so it overlaps the engine or server a test
+starts meanwhile.
 """
 
 import copy
@@ -13,13 +16,15 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm_neuron_sched.diagnostics import error_lines
 from vllm_neuron_sched.metrics import METRICS_DIR_ENV
 
 _MARKER = "NEURON_SCHED_RESULT:"
-_results: dict[str, list[dict[str, Any]]] = {}
+_runs: dict[str, Future[list[dict[str, Any]]]] = {}
+_children = ThreadPoolExecutor(max_workers=2, thread_name_prefix="oracle")
 # Variables set in a process that starts an engine in-process (tests do), by
 # vLLM or by our platform (its counters' directory): a child sets its own when
 # its engine starts, they do not change its tokens, so the oracle cache must
@@ -47,6 +52,20 @@ def generate_in_subprocess(
     ``sampling`` holds ``SamplingParams`` keyword arguments, or a list of them
     (one per prompt).
     """
+    run = start_in_subprocess(model, prompts, sampling, engine_kwargs, env, timeout_s)
+    return copy.deepcopy(run.result())
+
+
+def start_in_subprocess(
+    model: str,
+    prompts: list[str] | list[list[int]],
+    sampling: dict[str, Any],
+    engine_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+) -> Future[list[dict[str, Any]]]:
+    """``generate_in_subprocess`` without waiting: the run, started now or
+    earlier with the same arguments."""
     spec = {
         "model": model,
         "prompts": prompts,
@@ -60,9 +79,9 @@ def generate_in_subprocess(
         if k.startswith("VLLM") and k not in _SET_AT_ENGINE_START
     }
     key = json.dumps([spec, sorted(run_env.items())], sort_keys=True)
-    if key not in _results:
-        _results[key] = _run_child(spec, full_env, timeout_s)
-    return copy.deepcopy(_results[key])
+    if key not in _runs:
+        _runs[key] = _children.submit(_run_child, spec, full_env, timeout_s)
+    return _runs[key]
 
 
 def _run_child(
@@ -86,19 +105,27 @@ def _run_child(
     )
 
 
-def greedy_tokens(
+def start_greedy_tokens(
     model: str,
     prompts: list[list[int]],
     max_tokens: int,
     engine_kwargs: dict[str, Any],
     env: dict[str, str] | None = None,
-) -> list[list[int]]:
-    """Greedy token ids per prompt, ``max_tokens`` each (EOS ignored)."""
+) -> Future[list[list[int]]]:
+    """Greedy token ids per prompt, ``max_tokens`` each (EOS ignored), from a
+    run started now (or earlier)."""
     sampling = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
-    return [
-        r["token_ids"]
-        for r in generate_in_subprocess(model, prompts, sampling, engine_kwargs, env)
-    ]
+    run = start_in_subprocess(model, prompts, sampling, engine_kwargs, env)
+    tokens: Future[list[list[int]]] = Future()
+
+    def done(records: Future[list[dict[str, Any]]]) -> None:
+        try:
+            tokens.set_result([r["token_ids"] for r in records.result()])
+        except BaseException as error:
+            tokens.set_exception(error)
+
+    run.add_done_callback(done)
+    return tokens
 
 
 def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]:
