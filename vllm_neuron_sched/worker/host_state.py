@@ -39,10 +39,47 @@ Placeholders = dict[str, tuple[list[int], int]]
 PromptLogprobsJob = tuple[int, int, torch.Tensor, int, LogprobsTensors]
 
 
+class TokenSlots:
+    """Which entry of the device token table each live request owns: from
+    its first step until it finishes (kept across preemption)."""
+
+    def __init__(self, table: DeviceTokens, capacity: int) -> None:
+        self._table = table
+        self._slot_of: dict[str, int] = {}
+        self._free: list[int] = list(range(capacity, 0, -1))  # 0: the spare
+        self._capacity = capacity
+
+    def assign(self, req_id: str) -> None:
+        if req_id in self._slot_of:
+            return
+        if not self._free:
+            # More live requests than ever (preempted ones wait with their
+            # slot): the table grows on the device, after what is queued.
+            new_capacity = 2 * self._capacity
+            self._free = list(range(new_capacity, self._capacity, -1))
+            self._capacity = new_capacity
+            self._table.grow(new_capacity)
+        self._slot_of[req_id] = self._free.pop()
+
+    def release(self, req_id: str) -> None:
+        """The request left: its slot is free for the next one (an enqueued
+        step may still write it; the new owner's writes and reads come after,
+        in device order)."""
+        if (slot := self._slot_of.pop(req_id, None)) is not None:
+            self._free.append(slot)
+
+    def of(self, req_ids: list[str]) -> np.ndarray:
+        return np.fromiter(
+            (self._slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+
+
 @dataclass
 class StepUpdate:
     """What applying one step's scheduler decisions leaves for the step."""
 
+    # [num_reqs] each batch row's token slot.
+    token_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # Requests that left, with their histories (may still end in placeholders).
     finished: list[tuple[str, list[int]]] = field(default_factory=list)
     # Prompt chunks whose logprobs the forward computes, and the buffers that
@@ -54,13 +91,13 @@ class StepUpdate:
 class HostRequestState:
     def __init__(
         self,
-        tokens: DeviceTokens,
+        table: DeviceTokens,
         vocab_size: int,
         max_num_reqs: int,
         max_model_len: int,
         max_num_tokens: int,
     ) -> None:
-        self.tokens = tokens
+        self.slots = TokenSlots(table, max_num_reqs)
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -102,7 +139,7 @@ class HostRequestState:
         update = StepUpdate()
         for req_id in scheduler_output.finished_req_ids:
             if (state := self.requests.pop(req_id, None)) is not None:
-                self.tokens.release(req_id)
+                self.slots.release(req_id)
                 update.finished.append((req_id, state.output_token_ids))
             self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
@@ -141,6 +178,7 @@ class HostRequestState:
             batch.add_request(state)
         batch.condense()
         batch.refresh_metadata()
+        update.token_slots = self.slots.of(list(batch.req_ids))
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update
@@ -165,7 +203,7 @@ class HostRequestState:
             lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
-        self.tokens.assign(new.req_id)
+        self.slots.assign(new.req_id)
         if params is not None and params.prompt_logprobs is not None:
             wanted = params.prompt_logprobs
             self.num_prompt_logprobs[new.req_id] = (

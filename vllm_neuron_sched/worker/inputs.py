@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from vllm.v1.worker.utils import AttentionGroup
 
     from vllm_neuron_sched.worker.buckets import Buckets
-    from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 # KV slot of padded tokens: the KV cache write skips it.
 NO_KV_SLOT = -1
@@ -97,12 +96,11 @@ def build_step_inputs(
     num_scheduled_tokens: dict[str, int],
     buckets: "Buckets",
     attn_groups: "list[AttentionGroup]",
-    tokens: "DeviceTokens",
+    token_slots: np.ndarray,
 ) -> StepInputs:
     """Inputs for the rows of ``batch`` (already updated for this step)."""
     num_reqs = batch.num_reqs
     req_ids = list(batch.req_ids)
-    token_slots = tokens.slots(req_ids)
     num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int32)
     num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
     num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)

@@ -144,9 +144,9 @@ class NeuronSchedModelRunner:
         self.kv_cache = KVCache(
             vllm_config, torch_device or torch.device("cpu"), device
         )
-        self.tokens = DeviceTokens(self.max_num_reqs, device)
+        self.token_table = DeviceTokens(self.max_num_reqs, device)
         self.host = HostRequestState(
-            self.tokens,
+            self.token_table,
             self.model_config.get_vocab_size(),
             self.max_num_reqs,
             self.max_model_len,
@@ -279,7 +279,7 @@ class NeuronSchedModelRunner:
                 # no wait, so an idle worker holds no step it need not.
                 self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            inputs = self._build_inputs(scheduler_output)
+            inputs = self._build_inputs(scheduler_output, update)
             self._forward = self._enqueue_forward(scheduler_output, inputs, update)
             return None
 
@@ -297,7 +297,7 @@ class NeuronSchedModelRunner:
             result, output = enqueue_sampling(
                 self.device,
                 self.sampler,
-                self.tokens,
+                self.token_table,
                 forward.logits,
                 inputs,
                 self.host.batch.sampling_metadata,
@@ -315,23 +315,25 @@ class NeuronSchedModelRunner:
 
     # ---- the step pipeline --------------------------------------------------
 
-    def _build_inputs(self, scheduler_output: "SchedulerOutput") -> StepInputs:
-        inputs = self._build_host_inputs(scheduler_output)
+    def _build_inputs(
+        self, scheduler_output: "SchedulerOutput", update: StepUpdate
+    ) -> StepInputs:
+        def build() -> StepInputs:
+            return build_step_inputs(
+                self.host.batch,
+                scheduler_output.num_scheduled_tokens,
+                self.buckets,
+                self.kv_cache.attn_groups,
+                update.token_slots,
+            )
+
+        inputs = build()
         if inputs.needs_host_tokens:
             # A prompt position holds a token still on the device (not
             # expected with these schedulers): wait for it, then rebuild.
             self.flow.retire()
-            inputs = self._build_host_inputs(scheduler_output)
+            inputs = build()
         return inputs
-
-    def _build_host_inputs(self, scheduler_output: "SchedulerOutput") -> StepInputs:
-        return build_step_inputs(
-            self.host.batch,
-            scheduler_output.num_scheduled_tokens,
-            self.buckets,
-            self.kv_cache.attn_groups,
-            self.tokens,
-        )
 
     def _enqueue_forward(
         self,
@@ -369,7 +371,7 @@ class NeuronSchedModelRunner:
         """Runs on the device: decode rows' ids from the token table, then the
         model at its padded shape."""
         with torch.inference_mode():
-            self.tokens.gather(input_ids, gather)
+            self.token_table.gather(input_ids, gather)
             with set_forward_context(
                 build_attention_metadata(attn_inputs),
                 self.vllm_config,

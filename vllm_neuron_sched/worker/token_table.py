@@ -50,45 +50,22 @@ def plan_gather(
 
 
 class DeviceTokens:
-    """The newest sampled token of every live request, on the device.
+    """The newest sampled token of every live request, on the device, one
+    entry per token slot (host state assigns the slots: ``TokenSlots``).
 
-    The host assigns and frees slots; only device executions touch the table
-    (``gather`` in a forward, ``read`` and ``write`` in sampling, in enqueue
-    order), so the host never reads, writes or resizes storage an execution
-    may be using.
+    Only device executions touch the table (``gather`` in a forward,
+    ``read`` and ``write`` in sampling, in enqueue order), so the host never
+    reads, writes or resizes storage an execution may be using; growing it
+    is itself an execution.
     """
 
     def __init__(self, capacity: int, device: "Device") -> None:
         self._device = device
-        self._slot_of: dict[str, int] = {}
-        self._free: list[int] = list(range(capacity, 0, -1))
-        self._capacity = capacity
         self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
 
-    def assign(self, req_id: str) -> None:
-        """A slot for a request joining the batch (kept until ``release``)."""
-        if req_id in self._slot_of:
-            return
-        if not self._free:
-            # More live requests than ever (preempted ones wait with their
-            # slot): the table grows on the device, after what is queued.
-            new_capacity = 2 * self._capacity
-            self._free = list(range(new_capacity, self._capacity, -1))
-            self._capacity = new_capacity
-            self._device.enqueue_state_update(self._grow, new_capacity + 1)
-        self._slot_of[req_id] = self._free.pop()
-
-    def release(self, req_id: str) -> None:
-        """The request left: its slot is free for the next one (an enqueued
-        step may still write it; the new owner's writes and reads come after,
-        in device order)."""
-        if (slot := self._slot_of.pop(req_id, None)) is not None:
-            self._free.append(slot)
-
-    def slots(self, req_ids: list[str]) -> np.ndarray:
-        return np.fromiter(
-            (self._slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
+    def grow(self, capacity: int) -> None:
+        """Host side: room for ``capacity`` slots, after what is queued."""
+        self._device.enqueue_state_update(self._grow, capacity + 1)
 
     # ---- device side: called inside device executions only ----------------
 
