@@ -25,6 +25,7 @@ NUM_DECODES = 12
         "benchmarks.analysis",
         "benchmarks.bench_serve",
         "benchmarks.serve_tp",
+        "benchmarks.runtime_overhead",
     ],
 )
 def test_benchmark_modules_import(module: str) -> None:
