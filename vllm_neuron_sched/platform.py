@@ -104,6 +104,30 @@ def check_environment(vllm_config: "VllmConfig") -> None:
         )
 
 
+def check_speculation(vllm_config: "VllmConfig") -> None:
+    """Start-up check of ``--speculative-config``: the n-gram proposer on the
+    device, and a scheduler that never mixes prefill and decode (a verify
+    step holds decode rows only)."""
+    from vllm_neuron_sched.core.chunked_prefill import ChunkedPrefillMixin
+    from vllm_neuron_sched.worker.speculation import Speculation
+
+    Speculation.from_config(vllm_config)
+    scheduler_cls = vllm_config.scheduler_config.scheduler_cls
+    if isinstance(scheduler_cls, str):
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        scheduler_cls = resolve_obj_by_qualname(scheduler_cls)
+    if not (
+        isinstance(scheduler_cls, type)
+        and issubclass(scheduler_cls, ChunkedPrefillMixin)
+    ):
+        raise ValueError(
+            "speculative decoding on vllm_neuron_sched needs one of its chunked-"
+            f"prefill schedulers (--scheduler-cls {CHUNKED_PREFILL_SCHEDULER} or "
+            f"{ASYNC_CHUNKED_PREFILL_SCHEDULER}); got {scheduler_cls!r}"
+        )
+
+
 class NeuronSchedPlatform(CpuPlatform):
     # id(VllmConfig) -> its request limits, for every configuration alive in
     # this process (set in check_and_update_config, dropped with the config):
@@ -176,6 +200,8 @@ class NeuronSchedPlatform(CpuPlatform):
                 scheduler_config.scheduler_cls = CHUNKED_PREFILL_SCHEDULER
         if not user_worker:
             parallel_config.worker_cls = WORKER
+        if vllm_config.speculative_config is not None:
+            check_speculation(vllm_config)
 
         if model_config is not None:
             key = id(vllm_config)
@@ -215,7 +241,7 @@ class NeuronSchedPlatform(CpuPlatform):
         prompt_ids = processed_inputs.get("prompt_token_ids") or []
         max_tokens = getattr(params, "max_tokens", None)
         errors = [
-            limits.check(len(prompt_ids), max_tokens)
+            limits.check(len(prompt_ids), max_tokens) or limits.check_sampling(params)
             for limits in cls._request_limits.values()
         ]
         if errors and all(errors):

@@ -7,7 +7,8 @@ the ongoing prefills first, then waiting requests in arrival order, as far as
 each can be admitted together with those before it. With interleaving, a
 prefill step never follows a prefill step while decodes wait. Admission keeps
 ``max_num_seqs``, the volumetric tkv limit, and KV blocks reserved for
-``prompt + max_tokens``, for the whole group.
+``prompt + max_tokens`` (plus the drafts' lookahead when the engine
+speculates), for the whole group.
 
 Run-ahead consistency: with async scheduling ``schedule()`` for step N+1 runs
 before ``update_from_output()`` for step N. Every fact this mixin plans from is
@@ -80,6 +81,12 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             self.max_model_len,
         )
         self.max_prefill_rows = max(shape.rows for shape in self.prefill_shapes)
+        # Speculative decoding: a verify step allocates KV for its drafts too,
+        # and with async scheduling the step before may not have retired its
+        # rejected drafts yet, so a request can reach up to this many
+        # positions past prompt + max_tokens.
+        depth = 2 if scheduler_config.async_scheduling else 1
+        self.spec_lookahead = depth * self.num_spec_tokens
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
 
@@ -187,9 +194,11 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         return max(0, request.max_tokens - produced)
 
     def blocks_needed(self, request: "Request") -> int:
-        """KV blocks for the request's whole life: prompt + max_tokens."""
+        """KV blocks for the request's whole life: prompt + max_tokens, and
+        the drafts' lookahead."""
         num_tokens = min(
-            request.num_prompt_tokens + request.max_tokens, self.max_model_len
+            request.num_prompt_tokens + request.max_tokens + self.spec_lookahead,
+            self.max_model_len,
         )
         return cdiv(num_tokens, self.block_size)
 
@@ -244,4 +253,5 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         prompts = [r.num_tokens for r in batch if r not in decoding]
         tkv_after_join = max(max(prompts), self.decode_tkv(decoding))
         worst_tkv = tkv_after_join + max(self.remaining_tokens(r) for r in batch)
+        worst_tkv += self.spec_lookahead
         return len(batch) * worst_tkv <= self.limits.max_batch_tkv_limit

@@ -56,6 +56,9 @@ class RequestLimits:
     # Tokens one step may schedule; a pooling prompt is never chunked, so it
     # must fit one step. None: no cap.
     max_num_scheduled_tokens: int | None = None
+    # The engine speculates: sampling options its verify step does not run
+    # yet are refused (``check_sampling``).
+    speculates: bool = False
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -74,7 +77,51 @@ class RequestLimits:
             scheduler_config.max_num_scheduled_tokens
             or scheduler_config.max_num_batched_tokens
         )
-        return cls(max_model_len, tkv_limit, shapes, max_num_scheduled_tokens)
+        return cls(
+            max_model_len,
+            tkv_limit,
+            shapes,
+            max_num_scheduled_tokens,
+            speculates=vllm_config.speculative_config is not None,
+        )
+
+    def check_sampling(self, params: object) -> str | None:
+        """Why these sampling parameters cannot run on this engine, or None.
+
+        With speculative decoding the verify step runs vLLM's rejection
+        sampler over temperature, top-k, top-p and seeds; options that need
+        the request's token history on the host at verify time (penalties,
+        bad words, min_tokens), per-token logprobs, logit bias, allowed
+        tokens, min_p and structured outputs are refused rather than run
+        wrong."""
+        if not self.speculates:
+            return None
+        unsupported = [
+            name
+            for name, is_set in (
+                ("presence_penalty", getattr(params, "presence_penalty", 0.0)),
+                ("frequency_penalty", getattr(params, "frequency_penalty", 0.0)),
+                (
+                    "repetition_penalty",
+                    getattr(params, "repetition_penalty", 1.0) != 1.0,
+                ),
+                ("bad_words", getattr(params, "bad_words", None)),
+                ("min_tokens", getattr(params, "min_tokens", 0)),
+                ("logprobs", getattr(params, "logprobs", None) is not None),
+                ("logit_bias", getattr(params, "logit_bias", None)),
+                ("allowed_token_ids", getattr(params, "allowed_token_ids", None)),
+                ("min_p", getattr(params, "min_p", 0.0)),
+                ("structured_outputs", getattr(params, "structured_outputs", None)),
+            )
+            if is_set
+        ]
+        if not unsupported:
+            return None
+        return (
+            f"{', '.join(unsupported)} cannot be used with speculative decoding "
+            "on vllm_neuron_sched yet (temperature, top_k, top_p, seed and "
+            "prompt_logprobs can)"
+        )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
         """Why a request can never run, or None if some batch can take it."""

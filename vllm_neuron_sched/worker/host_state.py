@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 # A sampled token in a host history while it is still only on the device.
 PLACEHOLDER_TOKEN_ID = -1
 
-# req_id -> (the request's output_token_ids, index of its placeholder); the
-# list itself is held, so a finished request's history is completed too.
-Placeholders = dict[str, tuple[list[int], int]]
+# req_id -> (the request's output_token_ids, index of its first placeholder,
+# how many); the list itself is held, so a finished request's history is
+# completed too.
+Placeholders = dict[str, tuple[list[int], int, int]]
 # A prompt chunk's logprobs job for the forward (prompt_logprobs_on_device):
 # (batch row, chunk start, target ids, logprobs wanted, the request's buffer).
 PromptLogprobsJob = tuple[int, int, torch.Tensor, int, LogprobsTensors]
@@ -86,6 +87,13 @@ class StepUpdate:
     # are complete after this step (returned with its output).
     prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    # [num_reqs] each row's tokens as the scheduler counts them (prompt +
+    # outputs + in-flight placeholders). With speculation the host may know
+    # a step's accepted count before the scheduler does, so a decode row is
+    # told by this count, never by the host's.
+    scheduled_num_tokens: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64)
+    )
 
 
 class HostRequestState:
@@ -96,8 +104,12 @@ class HostRequestState:
         max_num_reqs: int,
         max_model_len: int,
         max_num_tokens: int,
+        speculates: bool = False,
     ) -> None:
         self.slots = TokenSlots(table, max_num_reqs)
+        # Speculative decoding: a verify row leaves 1 + drafts placeholders,
+        # of which the step fills as many as it accepted.
+        self.speculates = speculates
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -152,10 +164,12 @@ class HostRequestState:
             batch.remove_request(req_id)
 
         to_add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
+        scheduled_num_tokens: dict[str, int] = {}
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             num_output_tokens = cached.num_output_tokens[i]
+            scheduled_num_tokens[req_id] = state.num_prompt_tokens + num_output_tokens
             if num_output_tokens < len(state.output_token_ids):
                 del state.output_token_ids[num_output_tokens:]
             new_block_ids = cached.new_block_ids[i]
@@ -178,7 +192,16 @@ class HostRequestState:
             batch.add_request(state)
         batch.condense()
         batch.refresh_metadata()
-        update.token_slots = self.slots.of(list(batch.req_ids))
+        req_ids = list(batch.req_ids)
+        update.token_slots = self.slots.of(req_ids)
+        update.scheduled_num_tokens = np.fromiter(
+            (
+                scheduled_num_tokens.get(r, self.requests[r].num_prompt_tokens)
+                for r in req_ids
+            ),
+            dtype=np.int64,
+            count=len(req_ids),
+        )
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update
@@ -214,20 +237,23 @@ class HostRequestState:
     # ---- sampled tokens: placeholders at enqueue, filled at retirement -----
 
     def add_placeholders(self, inputs: "StepInputs") -> Placeholders:
-        """Each sampling row's history grows by a placeholder now, so the
-        next step's shapes and positions are right before the token is known."""
+        """Each sampling row's history grows by its placeholders now (one, or
+        1 + drafts for a verify row, as the scheduler counts them), so the
+        next step's shapes are right before the tokens are known."""
         batch = self.batch
-        rows = np.flatnonzero(inputs.is_sampled)
-        positions = batch.num_tokens_no_spec[rows]
-        in_range = positions < batch.token_ids_cpu.shape[1]
-        batch.token_ids_cpu[rows[in_range], positions[in_range]] = PLACEHOLDER_TOKEN_ID
-        batch.num_tokens_no_spec[rows] = positions + 1
+        width = batch.token_ids_cpu.shape[1]
         placeholders: Placeholders = {}
-        for row in rows.tolist():
+        for row in np.flatnonzero(inputs.num_new_tokens).tolist():
+            count = int(inputs.num_new_tokens[row])
+            start = int(batch.num_tokens_no_spec[row])
+            batch.token_ids_cpu[row, start : min(start + count, width)] = (
+                PLACEHOLDER_TOKEN_ID
+            )
+            batch.num_tokens_no_spec[row] = start + count
             req_id = inputs.req_ids[row]
             history = self.requests[req_id].output_token_ids
-            placeholders[req_id] = (history, len(history))
-            history.append(PLACEHOLDER_TOKEN_ID)
+            placeholders[req_id] = (history, len(history), count)
+            history.extend([PLACEHOLDER_TOKEN_ID] * count)
         return placeholders
 
     def fill_placeholders(
@@ -238,12 +264,26 @@ class HostRequestState:
         what it has."""
         batch = self.batch
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
-            history, index = placeholders.get(req_id, (None, 0))
-            if history is None or not tokens or index >= len(history):
+            history, index, count = placeholders.get(req_id, (None, 0, 0))
+            if history is None or not tokens:
                 continue
-            if history[index] != PLACEHOLDER_TOKEN_ID:
+            if self.speculates:
+                # Steps retire in order and a verify step may fill fewer than
+                # its placeholders: this step's are the history's first.
+                index = _first_placeholder(history)
+                if index is None:
+                    continue
+                end = index
+                while (
+                    end < min(len(history), index + count)
+                    and history[end] == PLACEHOLDER_TOKEN_ID
+                ):
+                    end += 1
+                history[index:end] = tokens[: end - index]
+            elif index >= len(history) or history[index] != PLACEHOLDER_TOKEN_ID:
                 continue
-            history[index] = tokens[0]
+            else:
+                history[index] = tokens[0]
             state = self.requests.get(req_id)
             row = batch.req_id_to_index.get(req_id)
             if (
@@ -251,7 +291,13 @@ class HostRequestState:
                 and state is not None
                 and state.output_token_ids is history
             ):
-                batch.token_ids_cpu[row, state.num_prompt_tokens + index] = tokens[0]
+                start = state.num_prompt_tokens + index
+                if not self.speculates:
+                    batch.token_ids_cpu[row, start] = tokens[0]
+                    continue
+                tail = history[index : index + batch.token_ids_cpu.shape[1] - start]
+                batch.token_ids_cpu[row, start : start + len(tail)] = tail
+                batch.num_tokens_no_spec[row] = state.num_prompt_tokens + len(history)
 
     # ---- prompt logprobs ----------------------------------------------------
 
@@ -300,6 +346,13 @@ class HostRequestState:
                 tokens = batch.token_ids_cpu[row, :num_tokens].tolist()
                 digest.update(f"{tokens};".encode())
         return digest.hexdigest()
+
+
+def _first_placeholder(history: list[int]) -> int | None:
+    try:
+        return history.index(PLACEHOLDER_TOKEN_ID)
+    except ValueError:
+        return None
 
 
 def _recover_output_tokens(

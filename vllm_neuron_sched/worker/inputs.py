@@ -10,6 +10,11 @@ row or the null block 0; their outputs are dropped. Every other step (decode
 batches, steps of a scheduler that mixes) is *packed*: rows back to back,
 padded at the tail to a bucket, the padding outside every attention sequence.
 
+With speculative decoding a decode step is a *verify step*
+(``speculation.py``): rows at ``i * (1 + K)``, their inputs completed on the
+device; a prefill step also writes its prompt tokens into the device
+histories the n-gram proposer reads.
+
 Every tensor here is freshly allocated per step: the device thread may still be
 running the previous step while the next one is built, so nothing it reads may
 be a view of the persistent input batch.
@@ -25,6 +30,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
+from vllm_neuron_sched.worker.speculation import VerifyPlan, plan_verify
 from vllm_neuron_sched.worker.token_table import (
     SPARE_TOKEN_SLOT,
     TableGather,
@@ -80,10 +86,22 @@ class StepInputs:
     # A non-decode input token is a placeholder: host state is behind the
     # device there (not expected; the runner waits and rebuilds).
     needs_host_tokens: bool
+    # [num_reqs] tokens each row may add to its history (placeholders): 1
+    # per sampling row, 1 + drafts per verify row, 0 otherwise.
+    num_new_tokens: np.ndarray
+    # Speculative decoding: a verify step's plan (its tensors above are then
+    # empty: the device completes them), or for other steps the prompt
+    # tokens' (slots, positions, indices in the padded step) for the device
+    # histories and each row's next position (where a sampled token goes).
+    verify: VerifyPlan | None = None
+    history_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    next_positions: torch.Tensor | None = None
 
     @property
     def num_table_rows(self) -> int:
         """Decode rows whose input id the forward reads from the token table."""
+        if self.verify is not None:
+            return self.verify.num_rows
         return 0 if self.gather is None else self.gather.num_rows
 
     @property
@@ -97,8 +115,14 @@ def build_step_inputs(
     buckets: "Buckets",
     attn_groups: "list[AttentionGroup]",
     token_slots: np.ndarray,
+    scheduled_drafts: dict[str, list[int]] | None = None,
+    num_spec_tokens: int = 0,
+    scheduled_num_tokens: np.ndarray | None = None,
 ) -> StepInputs:
-    """Inputs for the rows of ``batch`` (already updated for this step)."""
+    """Inputs for the rows of ``batch`` (already updated for this step).
+    ``scheduled_drafts``: the scheduler's drafts per request, given when the
+    engine speculates (``num_spec_tokens`` per verify row), with each row's
+    tokens as the scheduler counts them (``StepUpdate``)."""
     num_reqs = batch.num_reqs
     req_ids = list(batch.req_ids)
     num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int32)
@@ -106,9 +130,34 @@ def build_step_inputs(
     num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
     num_prompt = batch.num_prompt_tokens[:num_reqs]
 
-    is_decode_row = (num_scheduled == 1) & (num_computed + 1 == num_known)
+    speculates = scheduled_drafts is not None
+    num_drafts = np.array(
+        [len(scheduled_drafts.get(r, ())) for r in req_ids] if speculates else (),
+        np.int64,
+    ).reshape(-1)
+    num_queries = 1
+    if speculates:
+        assert scheduled_num_tokens is not None
+        num_queries = 1 + num_drafts
+        num_known = scheduled_num_tokens
+    is_decode_row = (num_scheduled == num_queries) & (num_computed + 1 == num_known)
     is_decode_row &= num_computed >= num_prompt
     shape = BatchShape.of((~is_decode_row).tolist())
+    if speculates and shape is BatchShape.DECODE:
+        plan = plan_verify(
+            batch,
+            num_drafts,
+            token_slots,
+            buckets.pad_decode(num_reqs),
+            num_spec_tokens,
+            attn_groups,
+        )
+        return _verify_inputs(req_ids, num_scheduled, num_computed, token_slots, plan)
+    if speculates and shape is BatchShape.MIXED:
+        raise RuntimeError(
+            "speculative decoding needs steps that never mix prefill and decode "
+            "(the vllm_neuron_sched schedulers)"
+        )
     layout = _Layout.of(shape, num_scheduled, num_computed, buckets)
 
     num_tokens = int(num_scheduled.sum())
@@ -172,6 +221,52 @@ def build_step_inputs(
         ),
         token_slots=token_slots,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
+        num_new_tokens=is_sampled.astype(np.int64),
+        history_writes=(
+            (
+                torch.from_numpy(token_slots[row_of_token]),
+                torch.from_numpy(positions_np),
+                token_index,
+            )
+            if speculates
+            else None
+        ),
+        next_positions=(
+            torch.from_numpy(num_computed + num_scheduled) if speculates else None
+        ),
+    )
+
+
+def _verify_inputs(
+    req_ids: list[str],
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    token_slots: np.ndarray,
+    plan: VerifyPlan,
+) -> StepInputs:
+    """A verify step: the host's part is the plan; the device completes it."""
+    num_reqs = len(req_ids)
+    empty = torch.zeros(0, dtype=torch.int64)
+    return StepInputs(
+        req_ids=req_ids,
+        shape=BatchShape.DECODE,
+        num_scheduled=num_scheduled,
+        num_computed=num_computed,
+        num_tokens_padded=plan.num_tokens_padded,
+        prefill_shape=None,
+        row_offsets=np.arange(num_reqs, dtype=np.int64) * plan.width,
+        input_ids=empty,
+        gather=None,
+        positions=empty,
+        logits_indices=empty,
+        is_sampled=np.ones(num_reqs, dtype=bool),
+        attn_inputs=[],
+        slot_mapping={},
+        sample_slots=plan.slots,
+        token_slots=token_slots,
+        needs_host_tokens=False,
+        num_new_tokens=num_scheduled.astype(np.int64),
+        verify=plan,
     )
 
 

@@ -44,10 +44,12 @@ from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.interfaces_base import is_text_generation_model
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    DraftTokenIds,
     LogprobsTensors,
     ModelRunnerOutput,
 )
 from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
@@ -67,8 +69,15 @@ from vllm_neuron_sched.worker.inputs import (
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.sampling import (
+    DraftedOutput,
+    SpeculativeSampler,
     enqueue_sampling,
     prompt_logprobs_on_device,
+)
+from vllm_neuron_sched.worker.speculation import (
+    Speculation,
+    VerifyPlan,
+    complete_on_device,
 )
 from vllm_neuron_sched.worker.timeline import StepTimeline
 from vllm_neuron_sched.worker.token_table import DeviceTokens, TableGather
@@ -112,8 +121,6 @@ class NeuronSchedModelRunner:
     ) -> None:
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("vllm_neuron_sched does not support pipeline parallel")
-        if vllm_config.speculative_config is not None:
-            raise ValueError("vllm_neuron_sched does not support speculative decoding")
         if getattr(vllm_config, "kv_transfer_config", None) is not None:
             raise ValueError("vllm_neuron_sched does not support KV transfer")
         self.vllm_config = vllm_config
@@ -131,6 +138,15 @@ class NeuronSchedModelRunner:
             self.max_model_len,
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.speculation = Speculation.from_config(vllm_config)
+        self.speculative: SpeculativeSampler | None = None
+        if self.speculation is not None:
+            self.speculative = SpeculativeSampler(
+                self.speculation,
+                RejectionSampler(self.sampler, vllm_config.speculative_config),
+            )
+        # Sync scheduling: the drafts of the last step, for the scheduler.
+        self._drafts: DraftTokenIds | None = None
         self.tp_rank = tp_group.rank_in_group
         self.device = device
         # Our schedulers finish a failed step's requests and serve the
@@ -144,13 +160,20 @@ class NeuronSchedModelRunner:
         self.kv_cache = KVCache(
             vllm_config, torch_device or torch.device("cpu"), device
         )
-        self.token_table = DeviceTokens(self.max_num_reqs, device)
+        spec = self.speculation
+        self.token_table = DeviceTokens(
+            self.max_num_reqs,
+            device,
+            history_len=0 if spec is None else spec.history_len,
+            num_drafts=0 if spec is None else spec.num_tokens,
+        )
         self.host = HostRequestState(
             self.token_table,
             self.model_config.get_vocab_size(),
             self.max_num_reqs,
             self.max_model_len,
             self.max_num_tokens,
+            speculates=spec is not None,
         )
         self.flow = AsyncFlow(
             device,
@@ -221,8 +244,12 @@ class NeuronSchedModelRunner:
     def update_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
 
-    def take_draft_token_ids(self) -> None:
-        return None
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Sync scheduling with speculation: the last step's drafts (they
+        came back with its output). Async scheduling never asks: the drafts
+        stay on the device, the scheduler only counts them."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def reset_mm_cache(self) -> None:
         pass
@@ -306,18 +333,26 @@ class NeuronSchedModelRunner:
                 else (forward.scheduler_output, grammar_output),
                 forward.prompt_logprobs,
                 self.fails_requests_alone,
+                self.speculative,
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).
             placeholders = self.host.add_placeholders(inputs)
             step = InFlightStep(self.flow.step, result, output, placeholders)
-            return self.flow.end_step(step, inputs.shape, inputs.num_table_rows)
+            step_output = self.flow.end_step(step, inputs.shape, inputs.num_table_rows)
+            if isinstance(step_output, DraftedOutput):
+                self._drafts = DraftTokenIds(
+                    step_output.req_ids, step_output.draft_token_ids
+                )
+            return step_output
 
     # ---- the step pipeline --------------------------------------------------
 
     def _build_inputs(
         self, scheduler_output: "SchedulerOutput", update: StepUpdate
     ) -> StepInputs:
+        spec = self.speculation
+
         def build() -> StepInputs:
             return build_step_inputs(
                 self.host.batch,
@@ -325,6 +360,9 @@ class NeuronSchedModelRunner:
                 self.buckets,
                 self.kv_cache.attn_groups,
                 update.token_slots,
+                None if spec is None else scheduler_output.scheduled_spec_decode_tokens,
+                0 if spec is None else spec.num_tokens,
+                update.scheduled_num_tokens,
             )
 
         inputs = build()
@@ -342,6 +380,11 @@ class NeuronSchedModelRunner:
         update: StepUpdate,
     ) -> ForwardState:
         jobs = update.prompt_logprobs_jobs
+        if inputs.verify is not None:
+            result = self.device.enqueue(self._verify_on_device, inputs.verify)
+            return ForwardState(
+                scheduler_output, inputs, result, update.prompt_logprobs
+            )
         logits = self.device.enqueue(
             self._forward_on_device,
             inputs.input_ids,
@@ -353,6 +396,7 @@ class NeuronSchedModelRunner:
             inputs.logits_indices if inputs.has_samples else None,
             jobs,
             inputs.row_offsets if jobs else None,
+            inputs.history_writes,
         )
         return ForwardState(scheduler_output, inputs, logits, update.prompt_logprobs)
 
@@ -367,11 +411,15 @@ class NeuronSchedModelRunner:
         logits_indices: torch.Tensor | None,
         prompt_logprobs_jobs: list[PromptLogprobsJob],
         row_offsets: np.ndarray | None,
+        history_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor | None:
         """Runs on the device: decode rows' ids from the token table, then the
         model at its padded shape."""
         with torch.inference_mode():
             self.token_table.gather(input_ids, gather)
+            if history_writes is not None:
+                slots, token_positions, token_index = history_writes
+                self.token_table.record(slots, token_positions, input_ids[token_index])
             with set_forward_context(
                 build_attention_metadata(attn_inputs),
                 self.vllm_config,
@@ -392,6 +440,28 @@ class NeuronSchedModelRunner:
             if logits_indices is None:
                 return None
             return self.model.compute_logits(hidden_states[logits_indices])
+
+    def _verify_on_device(self, plan: VerifyPlan) -> dict[str, torch.Tensor]:
+        """Runs on the device: a verify step's inputs from the token slots,
+        then the model at ``[decode bucket, 1 + K]``, logits of every real
+        row's queries."""
+        with torch.inference_mode():
+            inputs = complete_on_device(plan, self.token_table)
+            with set_forward_context(
+                build_attention_metadata(inputs.attn_inputs),
+                self.vllm_config,
+                num_tokens=plan.num_tokens_padded,
+                slot_mapping=inputs.slot_mapping,
+            ):
+                hidden_states = self.model(
+                    input_ids=inputs.input_ids, positions=inputs.positions
+                )
+            num_real = plan.num_rows * plan.width
+            return {
+                "logits": self.model.compute_logits(hidden_states[:num_real]),
+                "num_drafts": inputs.num_drafts,
+                "starts": inputs.starts,
+            }
 
     def _dummy_forward(self, num_tokens: int) -> None:
         with (

@@ -8,7 +8,7 @@ samples; an inline device samples at enqueue and reads the batch as it is.
 
 import copy
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +31,18 @@ from vllm_neuron_sched.runtime import (
     Materializer,
 )
 from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
+from vllm_neuron_sched.worker.speculation import (
+    Speculation,
+    after_prompt_sampling,
+    verify_on_device,
+)
 
 logger = init_logger(__name__)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_neuron_sched.runtime import Device
@@ -98,6 +104,22 @@ def _is_idle(processor: object) -> bool:
     return False
 
 
+@dataclass
+class DraftedOutput(ModelRunnerOutput):
+    """A speculating step's output, with the drafts its sampling proposed for
+    each row's next step (sync scheduling hands them to the scheduler)."""
+
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SpeculativeSampler:
+    """What a speculating step's sampling needs besides the plain sampler."""
+
+    speculation: Speculation
+    rejection_sampler: "RejectionSampler"
+
+
 def history_repairs(
     histories: Sequence[list[int]], slots: np.ndarray
 ) -> list[tuple[int, int]]:
@@ -119,10 +141,13 @@ def sample_on_device(
     discarded_rows: list[int],
     repairs: list[tuple[int, int]],
     grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+    speculation: "tuple[Speculation, torch.Tensor] | None" = None,
 ) -> dict[str, Any]:
     """Runs on the device thread. Samples, writes each sampling row's token
     into the device token table (``write_slots``; non-sampling rows point at
-    the padding slot) and returns the tokens and their logprobs."""
+    the padding slot) and returns the tokens and their logprobs.
+    ``speculation``: also into the histories (at each row's next position),
+    and propose each row's first drafts."""
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
     with torch.inference_mode():
@@ -150,7 +175,12 @@ def sample_on_device(
         for row, state in kept_states.items():
             metadata.generators[row].set_state(state)
         tokens.write(write_slots, sampled)
-    return {"sampled": sampled, "logprobs": output.logprobs_tensors}
+        result = {"sampled": sampled, "logprobs": output.logprobs_tensors}
+        if speculation is not None:
+            result |= after_prompt_sampling(
+                speculation[0], tokens, write_slots, speculation[1], sampled
+            )
+    return result
 
 
 def prompt_logprobs_on_device(
@@ -191,12 +221,28 @@ def enqueue_sampling(
     grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     prompt_logprobs: dict[str, LogprobsTensors],
     fails_requests_alone: bool,
+    speculative: SpeculativeSampler | None = None,
 ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
     """The step's last execution and its output: sampling, or for a step that
     samples nothing its forward (whose failure must reach the requests too).
-    ``metadata``: the input batch's, read now or (threaded device) snapshot."""
+    ``metadata``: the input batch's, read now or (threaded device) snapshot.
+    A verify step (``inputs.verify``) runs the rejection sampler instead."""
     result = logits
-    if inputs.has_samples:
+    if inputs.verify is not None:
+        assert speculative is not None
+        if not device.runs_at_enqueue:
+            metadata = snapshot_sampling_metadata(metadata)
+        result = device.enqueue(
+            verify_on_device,
+            speculative.speculation,
+            speculative.rejection_sampler,
+            sampler,
+            tokens,
+            logits,
+            metadata,
+            inputs.verify,
+        )
+    elif inputs.has_samples:
         repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
         if not device.runs_at_enqueue:
             metadata = snapshot_sampling_metadata(metadata)
@@ -210,6 +256,9 @@ def enqueue_sampling(
             np.flatnonzero(~inputs.is_sampled).tolist(),
             repairs,
             None if grammar is None else (*grammar, list(inputs.req_ids)),
+            None
+            if speculative is None
+            else (speculative.speculation, inputs.next_positions),
         )
     output = make_output_materializer(
         result, inputs.req_ids, inputs.is_sampled, prompt_logprobs, fails_requests_alone
@@ -263,16 +312,39 @@ def make_output_materializer(
                 req_id_to_index=index,
                 sampled_token_ids=[[] for _ in req_ids],
             )
-        tokens = values["sampled"].tolist()
-        logprobs = values["logprobs"]
-        return ModelRunnerOutput(
+        if "tokens" in values:  # a verify step: each row's accepted run
+            counts = values["counts"].tolist()
+            rows = values["tokens"].tolist()
+            sampled = [row[:count] for row, count in zip(rows, counts)]
+            logprobs = None
+        else:
+            tokens = values["sampled"].tolist()
+            sampled = [
+                [token] if keep else [] for token, keep in zip(tokens, is_sampled)
+            ]
+            logprobs = values["logprobs"]
+        if "drafts" not in values:
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=sampled,
+                logprobs=None if logprobs is None else logprobs.tolists(),
+                prompt_logprobs_dict=prompt_logprobs,
+            )
+        draft_counts = values["draft_counts"].tolist()
+        drafts = [
+            row[:count] if keep else []
+            for row, count, keep in zip(
+                values["drafts"].tolist(), draft_counts, is_sampled
+            )
+        ]
+        return DraftedOutput(
             req_ids=req_ids,
             req_id_to_index=index,
-            sampled_token_ids=[
-                [token] if keep else [] for token, keep in zip(tokens, is_sampled)
-            ],
+            sampled_token_ids=sampled,
             logprobs=None if logprobs is None else logprobs.tolists(),
             prompt_logprobs_dict=prompt_logprobs,
+            draft_token_ids=drafts,
         )
 
     return Materializer(materialize)

@@ -53,15 +53,35 @@ class DeviceTokens:
     """The newest sampled token of every live request, on the device, one
     entry per token slot (host state assigns the slots: ``TokenSlots``).
 
+    With speculative decoding (``history_len`` > 0) each slot also keeps the
+    request's whole token history, its length, and the drafts proposed from
+    it (``speculation.py``): a verify step's input ids, positions and KV slots
+    come from here, because under async scheduling neither the host nor the
+    scheduler knows yet how many drafts the step before was accepted.
+
     Only device executions touch the table (``gather`` in a forward,
     ``read`` and ``write`` in sampling, in enqueue order), so the host never
     reads, writes or resizes storage an execution may be using; growing it
     is itself an execution.
     """
 
-    def __init__(self, capacity: int, device: "Device") -> None:
+    def __init__(
+        self,
+        capacity: int,
+        device: "Device",
+        history_len: int = 0,
+        num_drafts: int = 0,
+    ) -> None:
         self._device = device
         self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
+        self.history_len = history_len
+        self.num_drafts = num_drafts
+        # Speculative decoding only (device-owned, like the table): [slots, L]
+        # token ids, [slots] tokens known, [slots, K] drafts, [slots] drafts.
+        self.history = torch.zeros((capacity + 1, history_len), dtype=torch.int32)
+        self.lengths = torch.zeros(capacity + 1, dtype=torch.int64)
+        self.drafts = torch.zeros((capacity + 1, num_drafts), dtype=torch.int32)
+        self.draft_counts = torch.zeros(capacity + 1, dtype=torch.int64)
 
     def grow(self, capacity: int) -> None:
         """Host side: room for ``capacity`` slots, after what is queued."""
@@ -80,7 +100,40 @@ class DeviceTokens:
     def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         self._table[slots] = tokens
 
+    def record(
+        self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
+    ) -> None:
+        """Prompt tokens into the histories (speculative decoding)."""
+        self.history[slots, positions.clamp(max=self.history_len - 1)] = ids
+
+    def accept(
+        self,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        tokens: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> None:
+        """Each row's first ``counts`` of ``tokens`` [rows, W] enter its
+        history at ``starts``; the last of them is the newest token."""
+        width = tokens.shape[1]
+        columns = starts[:, None] + torch.arange(width)
+        keep = torch.arange(width)[None, :] < counts[:, None]
+        rows = slots[:, None].expand(-1, width)
+        self.history[rows[keep], columns[keep].clamp(max=self.history_len - 1)] = (
+            tokens[keep]
+        )
+        self.lengths[slots] = starts + counts
+        newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
+        self._table[slots] = newest
+
     def _grow(self, size: int) -> None:
-        table = torch.zeros(size, dtype=torch.int32)
-        table[: self._table.shape[0]] = self._table
-        self._table = table
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            bigger = torch.zeros((size, *tensor.shape[1:]), dtype=tensor.dtype)
+            bigger[: tensor.shape[0]] = tensor
+            return bigger
+
+        self._table = grown(self._table)
+        self.history = grown(self.history)
+        self.lengths = grown(self.lengths)
+        self.drafts = grown(self.drafts)
+        self.draft_counts = grown(self.draft_counts)
