@@ -81,12 +81,9 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             self.max_model_len,
         )
         self.max_prefill_rows = max(shape.rows for shape in self.prefill_shapes)
-        # Speculative decoding: a verify step allocates KV for its drafts too,
-        # and with async scheduling the step before may not have retired its
-        # rejected drafts yet, so a request can reach up to this many
-        # positions past prompt + max_tokens.
-        depth = 2 if scheduler_config.async_scheduling else 1
-        self.spec_lookahead = depth * self.num_spec_tokens
+        # Speculative decoding: positions a request may reach past prompt +
+        # max_tokens (its drafts, and under async those of the step before).
+        self.spec_lookahead = self.limits.spec_lookahead
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
 

@@ -59,6 +59,10 @@ class RequestLimits:
     # The engine speculates: sampling options its verify step does not run
     # yet are refused (``check_sampling``).
     speculates: bool = False
+    # Positions a speculating request may reach past prompt + max_tokens: a
+    # verify step's drafts, and with async scheduling the drafts of the step
+    # before, whose rejections the scheduler has not heard of yet.
+    spec_lookahead: int = 0
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -77,12 +81,14 @@ class RequestLimits:
             scheduler_config.max_num_scheduled_tokens
             or scheduler_config.max_num_batched_tokens
         )
+        depth = 2 if scheduler_config.async_scheduling else 1
         return cls(
             max_model_len,
             tkv_limit,
             shapes,
             max_num_scheduled_tokens,
             speculates=vllm_config.speculative_config is not None,
+            spec_lookahead=depth * vllm_config.num_speculative_tokens,
         )
 
     def check_sampling(self, params: object) -> str | None:
@@ -141,11 +147,16 @@ class RequestLimits:
                     "prompts are not chunked"
                 )
             return None
-        volume = num_prompt_tokens + (max_tokens or 1)
+        volume = num_prompt_tokens + (max_tokens or 1) + self.spec_lookahead
         if volume > self.max_batch_tkv_limit:
+            drafts = (
+                f" + draft lookahead ({self.spec_lookahead})"
+                if self.spec_lookahead
+                else ""
+            )
             return (
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                f"= {volume} exceeds the decode batch tkv limit "
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens})"
+                f"{drafts} = {volume} exceeds the decode batch tkv limit "
                 f"{self.max_batch_tkv_limit} "
                 "(VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT)"
             )

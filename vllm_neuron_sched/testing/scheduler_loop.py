@@ -6,6 +6,14 @@ step N+1 is scheduled before step N's output reaches ``update_from_output``.
 The fake runner samples a token that depends only on (request, output index),
 so both loops must deliver the same tokens whatever the schedule. Plugin authors
 can point it at their own scheduler classes.
+
+Speculative decoding (``FakeRunner.num_spec_tokens``): a decode row given
+drafts accepts a number of them that depends only on (request, output index),
+as a device's verify step would, and returns those plus one; the sync loop
+hands the scheduler new drafts (a number of them by the same rule) after each
+step, as ``take_draft_token_ids`` does. With async scheduling vLLM's scheduler
+plans each step as if every draft of the step before were accepted, so the
+runner keeps each request's true position itself.
 """
 
 import zlib
@@ -17,7 +25,7 @@ import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
 
@@ -49,12 +57,29 @@ class FakeRunner:
     pooling: set[str] = field(default_factory=set)
     positions: dict[str, int] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
+    # Speculative decoding: drafts per verify row (0: none).
+    num_spec_tokens: int = 0
+    # Requests that sampled in the last step (the sync loop's draft owners).
+    last_sampled: list[str] = field(default_factory=list)
 
     def token(self, req_id: str, index: int) -> int:
         forced = self.forced.get((req_id, index))
         if forced is not None:
             return forced
         return fake_token(req_id, index, self.vocab_size)
+
+    def num_accepted(self, req_id: str, index: int, num_drafts: int) -> int:
+        """Drafts a verify row accepts when its first new token is output
+        ``index``: random, a pure function of the request and the index."""
+        return zlib.crc32(f"{req_id}#{index}".encode()) % (num_drafts + 1)
+
+    def drafts(self) -> DraftTokenIds:
+        """New drafts for the requests that just sampled (sync scheduling)."""
+        counts = [
+            zlib.crc32(f"{r}@{self.positions[r]}".encode()) % (self.num_spec_tokens + 1)
+            for r in self.last_sampled
+        ]
+        return DraftTokenIds(list(self.last_sampled), [[0] * n for n in counts])
 
     def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
         for new in so.scheduled_new_reqs:
@@ -64,11 +89,15 @@ class FakeRunner:
                 self.pooling.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            self.positions[req_id] = computed
+            # With speculation the scheduler's count may include drafts this
+            # runner rejected (async): it keeps its own but after preemption.
+            if not self.num_spec_tokens or req_id in cached.resumed_req_ids:
+                self.positions[req_id] = computed
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         pooled: list[torch.Tensor | None] = []
         record = StepRecord({}, {}, len(scheduler.running), 0)
+        self.last_sampled = []
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             start = self.positions[req_id]
             prompt_len = self.prompt_lens[req_id]
@@ -76,8 +105,12 @@ class FakeRunner:
             record.is_prefill[req_id] = start < prompt_len or req_id in (
                 cached.resumed_req_ids
             )
-            end = start + num_tokens
-            self.positions[req_id] = end
+            num_drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            end = start + num_tokens - num_drafts
+            accepted = 0
+            if num_drafts:
+                accepted = self.num_accepted(req_id, end - prompt_len, num_drafts)
+            self.positions[req_id] = end + accepted
             req_ids.append(req_id)
             # The step samples (or pools) once its input reaches the prompt's end.
             is_done = end >= prompt_len
@@ -85,9 +118,12 @@ class FakeRunner:
                 sampled.append([])
                 pooled.append(torch.zeros(4) if is_done else None)
             else:
-                token = self.token(req_id, end - prompt_len)
-                sampled.append([token] if is_done else [])
+                first = end - prompt_len
+                tokens = [self.token(req_id, first + i) for i in range(1 + accepted)]
+                sampled.append(tokens if is_done else [])
                 pooled.append(None)
+                if is_done:
+                    self.last_sampled.append(req_id)
         block_pool = scheduler.kv_cache_manager.block_pool
         record.num_free_blocks = block_pool.get_num_free_blocks()
         self.steps.append(record)
@@ -133,6 +169,8 @@ def run_sync(
         so = scheduler.schedule()
         result.collect(scheduler.update_from_output(so, runner.execute(so, scheduler)))
         result.num_steps += 1
+        if runner.num_spec_tokens and so.total_num_scheduled_tokens:
+            scheduler.update_draft_token_ids(runner.drafts())
     return result
 
 
@@ -238,10 +276,19 @@ def build_scheduler(
     max_model_len: int = 256,
     runner: str = "auto",
     enable_prefix_caching: bool = False,
+    num_spec_tokens: int = 0,
 ) -> Scheduler:
-    """A scheduler over a fake KV cache of ``num_blocks`` blocks, no engine."""
+    """A scheduler over a fake KV cache of ``num_blocks`` blocks, no engine.
+    ``num_spec_tokens``: speculative decoding (n-gram) with that many drafts."""
     import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -269,6 +316,16 @@ def build_scheduler(
         ),
         cache_config=CacheConfig(
             block_size=block_size, enable_prefix_caching=enable_prefix_caching
+        ),
+        speculative_config=None
+        if not num_spec_tokens
+        else SpeculativeConfig(
+            method="ngram_gpu" if async_scheduling else "ngram",
+            num_speculative_tokens=num_spec_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=1,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
         ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks

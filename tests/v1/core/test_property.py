@@ -9,6 +9,13 @@ max_tokens, aborts) runs through ``run_sync`` with ``ChunkedPrefillScheduler``
 and through ``run_batch_queue`` with ``AsyncChunkedPrefillScheduler``. Both runs
 must keep the chunked-prefill invariants and deliver the same tokens.
 
+With speculative decoding (``test_speculative_steps_agree``) decode rows
+verify drafts and accept a random number of them (a pure function of the
+request and the output index, so tokens stay the same); the KV positions a
+step reaches must stay within what admission reserved for the request
+(``prompt + max_tokens`` and the drafts' lookahead), or the pool runs dry and
+vLLM preempts, which the invariants refuse.
+
 Aborts fire at a loop *step index*, and the two loops reach a given point in a
 request's life at different step indices (the batch queue schedules ahead), so
 an aborted request may legitimately stop at different lengths in the two runs.
@@ -54,7 +61,7 @@ STOP = VOCAB - 2
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
 MAX_EXAMPLES = 300
-CASES = {"ran": 0, "grouped_steps": 0}
+CASES = {"ran": 0, "grouped_steps": 0, "verify_steps": 0}
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class Workload:
     tkv_limit: int
     # VLLM_NEURON_SCHED_PREFILL_SHAPES ("" = the default grid).
     prefill_shapes: str = ""
+    # Speculative decoding: drafts per verify row (0: off).
+    num_spec_tokens: int = 0
 
     def forced(self) -> dict[tuple[str, int], int]:
         forced = {}
@@ -124,8 +133,10 @@ class Events:
 class CheckingRunner(FakeRunner):
     """Keeps every ``SchedulerOutput`` so invariants can be checked after the run."""
 
-    def __init__(self, forced: dict[tuple[str, int], int]) -> None:
-        super().__init__(VOCAB, forced=forced)
+    def __init__(
+        self, forced: dict[tuple[str, int], int], num_spec_tokens: int = 0
+    ) -> None:
+        super().__init__(VOCAB, forced=forced, num_spec_tokens=num_spec_tokens)
         self.outputs: list[SchedulerOutput] = []
 
     def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
@@ -134,12 +145,15 @@ class CheckingRunner(FakeRunner):
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> Workload:
+def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
     num_requests = draw(st.integers(1, 12))
     specs = []
     for i in range(num_requests):
         prompt_len = draw(st.integers(1, 100))
         max_tokens = draw(st.integers(1, 40))
+        if speculative and draw(st.booleans()):
+            # prompt + max_tokens ends a block: a draft past it needs one more.
+            max_tokens += -(prompt_len + max_tokens) % BLOCK_SIZE
         arrival = draw(st.integers(0, 20) | st.just(0))  # bursts: groups
         output_index = st.none() | st.integers(0, max_tokens - 1)
         abort_after = draw(st.none() | st.integers(0, 40))
@@ -159,6 +173,11 @@ def workloads(draw: st.DrawFn) -> Workload:
     largest = max(s.volume for s in specs)
     # Often tight, so that admission has to wait for blocks and for tkv room.
     extra_blocks = draw(st.integers(0, 4) | st.integers(0, 24))
+    if speculative:
+        extra_blocks = draw(st.just(0) | st.integers(0, 4))
+    num_spec_tokens = draw(st.integers(1, 4)) if speculative else 0
+    # Room for the largest request with its drafts' lookahead (both loops).
+    largest += 2 * num_spec_tokens
     num_blocks = cdiv(largest, BLOCK_SIZE) + 1 + extra_blocks
     tkv_limit = draw(st.just(0) | st.integers(largest, 2 * largest))
     shapes = draw(st.sampled_from(["", f"1x{chunk_size}", "random"]))
@@ -169,7 +188,13 @@ def workloads(draw: st.DrawFn) -> Workload:
             grid.add(f"{rows}x{draw(st.integers(1, chunk_size // rows))}")
         shapes = ",".join(sorted(grid))
     return Workload(
-        tuple(specs), max_num_seqs, chunk_size, num_blocks, tkv_limit, shapes
+        tuple(specs),
+        max_num_seqs,
+        chunk_size,
+        num_blocks,
+        tkv_limit,
+        shapes,
+        num_spec_tokens,
     )
 
 
@@ -199,8 +224,9 @@ def run_workload(
         num_blocks=workload.num_blocks,
         block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN,
+        num_spec_tokens=workload.num_spec_tokens,
     )
-    runner = CheckingRunner(workload.forced())
+    runner = CheckingRunner(workload.forced(), workload.num_spec_tokens)
     loop = run_batch_queue if is_async else run_sync
     return loop(scheduler, runner, Events(workload)), runner, scheduler
 
@@ -226,9 +252,14 @@ def check_invariants(
         assert step.num_running <= workload.max_num_seqs, where
         assert step.num_free_blocks <= num_usable_blocks, f"double free at {where}"
         assert not so.scheduled_cached_reqs.resumed_req_ids, f"preempted at {where}"
+        # Async: the step before may still hold its drafts unretired.
+        depth = 2 if isinstance(scheduler, AsyncChunkedPrefillScheduler) else 1
+        lookahead = depth * workload.num_spec_tokens
         for req_id, (start, num_tokens) in step.scheduled.items():
             spec = specs[req_id]
-            assert start + num_tokens <= spec.volume - 1, f"past max_tokens {where}"
+            reach = spec.volume - 1 + lookahead
+            assert start + num_tokens <= reach, f"past the reserve at {where}"
+            CASES["verify_steps"] += bool(so.scheduled_spec_decode_tokens.get(req_id))
         if kinds == {False}:
             max_position = max(start + n for start, n in step.scheduled.values())
             assert len(step.scheduled) * max_position <= tkv_limit, where
@@ -252,14 +283,15 @@ def check_invariants(
 @pytest.fixture(scope="module")
 def case_counter() -> Iterator[dict[str, int]]:
     """Reports how many generated workloads ran (each through both loops)."""
-    CASES.update(ran=0, grouped_steps=0)
+    CASES.update(ran=0, grouped_steps=0, verify_steps=0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "0")  # restored after
         mp.setenv("VLLM_NEURON_SCHED_PREFILL_SHAPES", "")
         yield CASES
     print(
         f"\nhypothesis: {CASES['ran']} workloads, each through both loops; "
-        f"{CASES['grouped_steps']} prefill steps held several requests"
+        f"{CASES['grouped_steps']} prefill steps held several requests, "
+        f"{CASES['verify_steps']} rows verified drafts"
     )
     assert CASES["ran"] > 0 and CASES["grouped_steps"] > 0
 
@@ -275,6 +307,34 @@ def test_sync_and_batch_queue_agree(
     workload: Workload, checkpoint_dir: str, case_counter: dict[str, int]
 ) -> None:
     """Invariants hold in both loops, and both loops deliver the same outputs."""
+    case_counter["ran"] += 1
+    sync = run_workload(workload, ChunkedPrefillScheduler, checkpoint_dir)
+    batch_queue = run_workload(workload, AsyncChunkedPrefillScheduler, checkpoint_dir)
+    check_invariants(workload, *sync)
+    check_invariants(workload, *batch_queue)
+    for spec in workload.specs:
+        if spec.abort_step is None:
+            req_id = spec.req_id
+            assert sync[0].tokens[req_id] == batch_queue[0].tokens[req_id]
+            assert (
+                sync[0].finish_reasons[req_id] == batch_queue[0].finish_reasons[req_id]
+            )
+
+
+@settings(
+    max_examples=MAX_EXAMPLES // 2,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(workload=workloads(speculative=True))
+def test_speculative_steps_agree(
+    workload: Workload, checkpoint_dir: str, case_counter: dict[str, int]
+) -> None:
+    """Verify steps with random acceptance: the invariants hold in both loops
+    (admission reserves the drafts' lookahead: no preemption, no leak, no
+    position past the reserve, the tkv limit kept) and both deliver the same
+    outputs."""
     case_counter["ran"] += 1
     sync = run_workload(workload, ChunkedPrefillScheduler, checkpoint_dir)
     batch_queue = run_workload(workload, AsyncChunkedPrefillScheduler, checkpoint_dir)
