@@ -162,11 +162,28 @@ def as_record(out: Any) -> dict[str, Any]:
     }
 
 
+def spec_decode_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's own speculative-decoding counters of an engine (``LLM`` with
+    stats on): drafts, draft tokens, accepted tokens, accepted per position."""
+    counters: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_"):
+            name = metric.name.removeprefix("vllm:spec_decode_")
+            counters[name] = getattr(metric, "values", None) or metric.value
+    return counters
+
+
 def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM
 
     llm = LLM(model=spec["model"], **spec["engine_kwargs"])
-    return generate(llm, spec["prompts"], spec["sampling"])
+    records = generate(llm, spec["prompts"], spec["sampling"])
+    if spec["engine_kwargs"].get("speculative_config"):
+        # Engine-wide, the same in every record.
+        counters = spec_decode_counters(llm)
+        for record in records:
+            record["spec_decode"] = counters
+    return records
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ histories, and the next drafts proposed from them (``ngram.py``). The host
 learns the accepted tokens when the step retires, as it learns sampled tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -255,7 +255,7 @@ def verify_on_device(
                 bonus_logits_indices=bonus_indices,
                 logits_indices=torch.arange(logits.shape[0], dtype=torch.int32),
             )
-            out = rejection_sampler(spec, None, logits, metadata)
+            out = rejection_sampler(spec, None, logits, _wide(metadata))
             sampled = out.sampled_token_ids.to(torch.int32)
         accepted = (sampled != REJECTED).sum(dim=1)
         tokens.accept(plan.slots, forward["starts"], sampled, accepted)
@@ -266,6 +266,25 @@ def verify_on_device(
             "drafts": tokens.drafts[plan.slots].clone(),
             "draft_counts": tokens.draft_counts[plan.slots].clone(),
         }
+
+
+def _wide(metadata: "SamplingMetadata") -> "SamplingMetadata":
+    """The per-request sampling parameters as 8-byte tensors: vLLM's CPU
+    replacement for the rejection sampler's ``expand`` kernel copies 8 bytes
+    per element, so float32 temperatures and int32 top-k come out as garbage
+    (vLLM 0.32; measured: [1.5, 0.7] expands to [-1.6e8, 4.6e-41, ...])."""
+
+    def wide(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        return tensor.double() if tensor.is_floating_point() else tensor.long()
+
+    return replace(
+        metadata,
+        temperature=wide(metadata.temperature),
+        top_k=wide(metadata.top_k),
+        top_p=wide(metadata.top_p),
+    )
 
 
 def after_prompt_sampling(

@@ -1,0 +1,220 @@
+"""Speculative decoding (the n-gram proposer on the device) through
+``LLM.generate``, sync and async, against stock vLLM CPU.
+
+The trained repeat checkpoint (``testing/checkpoint.py``) continues a token
+cycle greedily, so the drafts of a repeat prompt are accepted in long runs; a
+misleading prompt (a pattern the model does not follow, then its start again)
+gets its first drafts rejected. Greedy tokens must equal stock vLLM CPU's
+*without* speculation, stop tokens inside an accepted run included; in sync
+mode vLLM's acceptance counters must equal stock's with its own (sync) n-gram
+speculation; in async mode the verify steps take their inputs from the device:
+no host wait, no fallback.
+"""
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_neuron_sched.testing.checkpoint import (
+    ensure_trained_checkpoints,
+    repeat_prompt_ids,
+    successor_map,
+)
+from vllm_neuron_sched.testing.oracle import (
+    generate,
+    spec_decode_counters,
+    start_in_subprocess,
+)
+from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV
+
+pytestmark = pytest.mark.slow
+
+ENGINE = {**SMALL_ENGINE, "disable_log_stats": False}
+K = 3
+NGRAM = {"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Budgets that are no multiple of 1 + K, so a run ends inside a verify step.
+MAX_TOKENS = [26, 17, 30, 11]
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
+    return str(ensure_trained_checkpoints()[0])
+
+
+def _misleading_prompt(checkpoint: str, seed: int) -> list[int]:
+    """``a b x y z`` twice, then ``a b``: the drafts say ``x y z``, the model
+    (whose successor of ``b`` is not ``x``) says otherwise."""
+    succ = successor_map(checkpoint)
+    a, b = repeat_prompt_ids(checkpoint, seed, length=2)
+    rng = random.Random(seed)
+    others = [t for t in succ if t not in (succ[b], a, b)]
+    pattern = [a, b, *rng.sample(others, 3)]
+    return pattern * 2 + [a, b]
+
+
+def _prompts(checkpoint: str) -> list[list[int]]:
+    return [
+        repeat_prompt_ids(checkpoint, 1, length=12),
+        # Several prefill chunks (the chunk is 32 tokens).
+        repeat_prompt_ids(checkpoint, 2, length=40, noise=3),
+        _misleading_prompt(checkpoint, 3),
+        _misleading_prompt(checkpoint, 4),
+    ]
+
+
+def _params(checkpoint: str) -> list[dict[str, Any]]:
+    params = [
+        {"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in MAX_TOKENS
+    ]
+    # A stop token the model reaches inside an accepted run of drafts.
+    params[0]["stop_token_ids"] = [_walk(checkpoint)[STOP_AT - 1]]
+    return params
+
+
+# The stop token is the first request's third output: the middle of the
+# first verify step, whose drafts are all accepted.
+STOP_AT = 3
+
+
+def _walk(checkpoint: str) -> list[int]:
+    """The first request's greedy continuation, from the successor map."""
+    succ = successor_map(checkpoint)
+    tokens = [_prompts(checkpoint)[0][-1]]
+    for _ in range(MAX_TOKENS[0]):
+        tokens.append(succ[tokens[-1]])
+    return tokens[1:]
+
+
+def _stock(checkpoint: str, speculative: bool) -> Any:
+    engine = dict(ENGINE)
+    if speculative:
+        engine["speculative_config"] = {"method": "ngram", **NGRAM}
+    return start_in_subprocess(
+        checkpoint, _prompts(checkpoint), _params(checkpoint), engine, env=STOCK_ENV
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stock_runs(checkpoint: str) -> None:
+    """Both stock children start with the module, while our engines start."""
+    _stock(checkpoint, speculative=False)
+    _stock(checkpoint, speculative=True)
+
+
+# name -> (engine keywords, environment of its workers)
+ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "sync": (
+        {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
+        {},
+    ),
+    # vLLM's name for the on-device n-gram proposer keeps async scheduling on;
+    # a device thread beside the worker's main thread.
+    "async": (
+        {
+            "async_scheduling": True,
+            "speculative_config": {"method": "ngram_gpu", **NGRAM},
+        },
+        {"VLLM_NEURON_SCHED_DEVICE": "thread"},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine(
+    request: pytest.FixtureRequest, checkpoint: str
+) -> Iterator[tuple[str, Any]]:
+    from vllm import LLM
+
+    kwargs, env = ENGINES[request.param]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        llm = LLM(model=checkpoint, **ENGINE, **kwargs)
+    yield request.param, llm
+    llm.llm_engine.engine_core.shutdown()  # the next engine's cores are free
+
+
+@pytest.fixture(scope="module")
+def results(engine: tuple[str, Any], checkpoint: str) -> dict[str, Any]:
+    name, llm = engine
+    records = generate(llm, _prompts(checkpoint), _params(checkpoint))
+    return {
+        "name": name,
+        "records": records,
+        "counters": spec_decode_counters(llm),
+        "stats": llm.collective_rpc("get_async_scheduling_stats")[0],
+    }
+
+
+def test_greedy_tokens_equal_stock_without_speculation(
+    results: dict[str, Any], checkpoint: str
+) -> None:
+    stock = _stock(checkpoint, speculative=False).result()
+    ours = results["records"]
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
+    assert [r["finish_reason"] for r in ours] == [r["finish_reason"] for r in stock]
+    # The stop token ended the first request inside an accepted run.
+    assert ours[0]["finish_reason"] == "stop"
+    assert ours[0]["token_ids"] == _walk(checkpoint)[:STOP_AT]
+
+
+def test_drafts_are_accepted_and_rejected(results: dict[str, Any]) -> None:
+    counters = results["counters"]
+    assert counters["num_accepted_tokens"] > 0
+    assert counters["num_accepted_tokens"] < counters["num_draft_tokens"]
+
+
+def test_sync_counters_equal_stock(results: dict[str, Any], checkpoint: str) -> None:
+    if results["name"] != "sync":
+        pytest.skip("async mode schedules K draft slots per step; see below")
+    stock = _stock(checkpoint, speculative=True).result()
+    assert results["counters"] == stock[0]["spec_decode"]
+
+
+def test_async_verify_steps_are_fed_from_the_device(results: dict[str, Any]) -> None:
+    if results["name"] != "async":
+        pytest.skip("sync mode reads every step's output before the next")
+    stats = results["stats"]
+    assert stats["async_steps"] > 0
+    assert stats["sync_fallback_steps"] == 0
+    assert stats["host_waits"] == 0
+    # Every verify step offered K drafts per row, accepted or not.
+    counters = results["counters"]
+    assert counters["num_draft_tokens"] == K * counters["num_drafts"]
+
+
+def test_unsupported_sampling_is_refused(engine: tuple[str, Any]) -> None:
+    from vllm import SamplingParams
+
+    _, llm = engine
+    with pytest.raises(ValueError, match="repetition_penalty.*speculative"):
+        llm.generate(
+            [{"prompt_token_ids": [11, 12, 13]}],
+            SamplingParams(max_tokens=4, repetition_penalty=1.2),
+            use_tqdm=False,
+        )
+    # The engine serves the next request.
+    out = generate(llm, [[11, 12, 13]], {"temperature": 0.0, "max_tokens": 4})
+    assert len(out[0]["token_ids"]) == 4
+
+
+def test_seeded_sampling_reproduces(engine: tuple[str, Any], checkpoint: str) -> None:
+    """Temperature, top-k and top-p go through the rejection sampler's random
+    path; a seed gives the same tokens again, and alone as in a batch."""
+    _, llm = engine
+    params = {
+        "temperature": 1.5,
+        "top_k": 50,
+        "top_p": 0.95,
+        "seed": 7,
+        "max_tokens": 20,
+    }
+    prompts = _prompts(checkpoint)[1:3]
+    first = generate(llm, prompts, params)
+    again = generate(llm, prompts, params)
+    alone = generate(llm, prompts[:1], params)
+    assert [r["token_ids"] for r in first] == [r["token_ids"] for r in again]
+    assert alone[0]["token_ids"] == first[0]["token_ids"]
+    assert all(len(r["token_ids"]) == 20 for r in first)
