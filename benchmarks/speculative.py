@@ -1,0 +1,195 @@
+"""Speculative decoding: output tokens/s with and without it, stock and ours.
+
+    python -m benchmarks.speculative --out /tmp/bench_spec [--repeats 3]
+
+Each configuration runs in its own process (vLLM picks its platform once per
+process) on the trained repeat checkpoint (``testing/checkpoint.py``), whose
+greedy output continues a token cycle, so n-gram drafts are accepted where the
+history repeats. Workloads: ``decode_heavy`` (every prompt a repeat prompt,
+long outputs) and ``mixed`` (half repeat prompts, half misleading ones whose
+first drafts are rejected, shorter outputs). One warm-up run, then
+``--repeats`` timed ``LLM.generate`` runs of the whole workload; the medians
+are reported with vLLM's acceptance counters and our step counters.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT = "SPEC_BENCH_RESULT:"
+K = 3
+NGRAM = {"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 128,
+    "seed": 0,
+    "enable_prefix_caching": False,
+    "enforce_eager": True,
+    "disable_log_stats": False,
+}
+# name -> (engine keywords, environment)
+MODES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "stock_sync": ({"async_scheduling": False}, {"VLLM_NEURON_SCHED_DISABLE": "1"}),
+    "stock_sync_ngram": (
+        {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
+        {"VLLM_NEURON_SCHED_DISABLE": "1"},
+    ),
+    "ours_async": ({"async_scheduling": True}, {}),
+    "ours_sync_ngram": (
+        {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
+        {},
+    ),
+    "ours_async_ngram": (
+        {
+            "async_scheduling": True,
+            "speculative_config": {"method": "ngram_gpu", **NGRAM},
+        },
+        {},
+    ),
+}
+
+
+def workload(name: str, checkpoint: str) -> tuple[list[list[int]], list[int]]:
+    """Prompts and their output budgets."""
+    from vllm_neuron_sched.testing.checkpoint import repeat_prompt_ids, successor_map
+
+    repeat = [repeat_prompt_ids(checkpoint, seed, length=32) for seed in range(8)]
+    if name == "decode_heavy":
+        return repeat, [256] * 8
+    succ = successor_map(checkpoint)
+    misleading = []
+    for seed in range(4):
+        a, b = repeat_prompt_ids(checkpoint, 100 + seed, length=2)
+        others = [t for t in succ if t not in (succ[b], a, b)][seed * 7 : seed * 7 + 3]
+        misleading.append(([a, b, *others] * 6)[:30] + [a, b])
+    return repeat[:4] + misleading, [64, 96, 128, 192, 64, 96, 128, 192]
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    from vllm_neuron_sched.testing.oracle import spec_decode_counters
+
+    kwargs, _ = MODES[spec["mode"]]
+    llm = LLM(model=spec["checkpoint"], **ENGINE, **kwargs)
+    prompts, budgets = workload(spec["workload"], spec["checkpoint"])
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in budgets
+    ]
+
+    def stats() -> dict[str, int] | None:
+        try:
+            return llm.collective_rpc("get_async_scheduling_stats")[0]
+        except Exception:
+            return None  # stock vLLM
+
+    llm.generate(inputs, params, use_tqdm=False)  # warm-up
+    before, counters_before = stats(), spec_decode_counters(llm)
+    walls, num_tokens = [], 0
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    after, counters_after = stats(), spec_decode_counters(llm)
+    counters = {
+        key: (
+            [a - b for a, b in zip(value, counters_before.get(key, [0] * len(value)))]
+            if isinstance(value, list)
+            else value - counters_before.get(key, 0)
+        )
+        for key, value in counters_after.items()
+    }
+    steps = None
+    if before is not None and after is not None:
+        steps = {key: after[key] - before[key] for key in after}
+    return {
+        "walls": walls,
+        "num_tokens": num_tokens,
+        "tokens_per_request": max(budgets),
+        "counters": counters,
+        "steps": steps,
+    }
+
+
+def run(mode: str, name: str, checkpoint: str, repeats: int) -> dict[str, Any]:
+    spec = {"mode": mode, "workload": name, "checkpoint": checkpoint}
+    spec["repeats"] = repeats
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **MODES[mode][1]}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.speculative", "--child"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT) :])
+    raise RuntimeError(f"{mode}/{name} failed:\n{proc.stderr[-4000:]}")
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    wall = statistics.median(result["walls"])
+    counters = result["counters"]
+    drafts = counters.get("num_draft_tokens", 0)
+    per_pos = counters.get("num_accepted_tokens_per_pos") or []
+    num_drafts = counters.get("num_drafts", 0)
+    return {
+        "tok_s": result["num_tokens"] / wall,
+        # All requests decode together: the longest one's wall per token.
+        "tpot_ms": 1000 * wall / result["tokens_per_request"],
+        "acceptance": counters.get("num_accepted_tokens", 0) / drafts
+        if drafts
+        else None,
+        "per_position": [round(n / num_drafts, 3) for n in per_pos]
+        if num_drafts
+        else None,
+        "steps": result["steps"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench_spec"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--workloads", default="decode_heavy,mixed")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(RESULT + json.dumps(child(json.loads(sys.stdin.read()))), flush=True)
+        return
+    from vllm_neuron_sched.testing.checkpoint import ensure_trained_checkpoints
+
+    checkpoint = str(ensure_trained_checkpoints()[0])
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"load average at start: {os.getloadavg()}")
+    table: dict[str, dict[str, Any]] = {}
+    for name in args.workloads.split(","):
+        for mode in args.modes.split(","):
+            raw = run(mode, name, checkpoint, args.repeats)
+            table[f"{name}/{mode}"] = {"raw": raw, **summarize(raw)}
+            row = table[f"{name}/{mode}"]
+            print(
+                f"{name:13s} {mode:18s} {row['tok_s']:8.0f} tok/s "
+                f"TPOT {row['tpot_ms']:6.2f} ms acceptance {row['acceptance']} "
+                f"per position {row['per_position']} steps {row['steps']}",
+                flush=True,
+            )
+    (args.out / "speculative.json").write_text(json.dumps(table, indent=2))
+
+
+if __name__ == "__main__":
+    main()
