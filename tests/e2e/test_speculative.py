@@ -7,8 +7,8 @@ misleading prompt (a pattern the model does not follow, then its start again)
 gets its first drafts rejected. Greedy tokens must equal stock vLLM CPU's
 *without* speculation, stop tokens inside an accepted run included; in sync
 mode vLLM's acceptance counters must equal stock's with its own (sync) n-gram
-speculation; in async mode the verify steps take their inputs from the device:
-no host wait, no fallback.
+speculation; in async mode (at TP=4) the verify steps take their inputs from
+the device on every rank: no host wait, no fallback.
 """
 
 import random
@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.checkpoint import (
     ensure_trained_checkpoints,
     repeat_prompt_ids,
@@ -105,18 +106,22 @@ def stock_runs(checkpoint: str) -> None:
 
 # name -> (engine keywords, environment of its workers)
 ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    # A device thread beside the worker's main thread: the verify step's
+    # sampling reads a snapshot of the batch.
     "sync": (
         {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
-        {},
+        {"VLLM_NEURON_SCHED_DEVICE": "thread"},
     ),
-    # vLLM's name for the on-device n-gram proposer keeps async scheduling on;
-    # a device thread beside the worker's main thread.
-    "async": (
+    # TP=4: vLLM's name for the on-device n-gram proposer keeps async
+    # scheduling on; every rank verifies the same drafts on its own device
+    # state (one engine for both, as engines are the slow part of the suite).
+    "async_tp4": (
         {
             "async_scheduling": True,
+            "tensor_parallel_size": 4,
             "speculative_config": {"method": "ngram_gpu", **NGRAM},
         },
-        {"VLLM_NEURON_SCHED_DEVICE": "thread"},
+        {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(4)},
     ),
 }
 
@@ -144,7 +149,8 @@ def results(engine: tuple[str, Any], checkpoint: str) -> dict[str, Any]:
         "name": name,
         "records": records,
         "counters": spec_decode_counters(llm),
-        "stats": llm.collective_rpc("get_async_scheduling_stats")[0],
+        "stats": llm.collective_rpc("get_async_scheduling_stats"),
+        "ranks": llm.collective_rpc("get_rank_state"),
     }
 
 
@@ -174,12 +180,15 @@ def test_sync_counters_equal_stock(results: dict[str, Any], checkpoint: str) -> 
 
 
 def test_async_verify_steps_are_fed_from_the_device(results: dict[str, Any]) -> None:
-    if results["name"] != "async":
+    if results["name"] != "async_tp4":
         pytest.skip("sync mode reads every step's output before the next")
-    stats = results["stats"]
-    assert stats["async_steps"] > 0
-    assert stats["sync_fallback_steps"] == 0
-    assert stats["host_waits"] == 0
+    for stats in results["stats"]:  # every TP rank
+        assert stats["async_steps"] > 0
+        assert stats["sync_fallback_steps"] == 0
+        assert stats["host_waits"] == 0
+    # The ranks' token histories agree.
+    assert len({r["history_digest"] for r in results["ranks"]}) == 1
+    assert len({r["finished_digest"] for r in results["ranks"]}) == 1
     # Every verify step offered K drafts per row, accepted or not.
     counters = results["counters"]
     assert counters["num_draft_tokens"] == K * counters["num_drafts"]

@@ -94,12 +94,12 @@ class RequestLimits:
     def check_sampling(self, params: object) -> str | None:
         """Why these sampling parameters cannot run on this engine, or None.
 
-        With speculative decoding the verify step runs vLLM's rejection
-        sampler over temperature, top-k, top-p and seeds; options that need
-        the request's token history on the host at verify time (penalties,
-        bad words, min_tokens), per-token logprobs, logit bias, allowed
-        tokens, min_p and structured outputs are refused rather than run
-        wrong."""
+        With speculative decoding the verify step samples greedy, temperature,
+        top-k, top-p and seeds (``speculation.rejection_sample``). Options
+        that need the request's history on the host at verify time
+        (penalties, bad words, min_tokens), per-token logprobs, logit bias,
+        allowed tokens, min_p and structured outputs are refused rather than
+        run wrong."""
         if not self.speculates:
             return None
         unsupported = [

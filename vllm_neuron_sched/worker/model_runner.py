@@ -49,7 +49,6 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.sample.logits_processor import build_logitsprocs
-from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
@@ -70,7 +69,6 @@ from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.sampling import (
     DraftedOutput,
-    SpeculativeSampler,
     enqueue_sampling,
     prompt_logprobs_on_device,
 )
@@ -139,12 +137,6 @@ class NeuronSchedModelRunner:
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.speculation = Speculation.from_config(vllm_config)
-        self.speculative: SpeculativeSampler | None = None
-        if self.speculation is not None:
-            self.speculative = SpeculativeSampler(
-                self.speculation,
-                RejectionSampler(self.sampler, vllm_config.speculative_config),
-            )
         # Sync scheduling: the drafts of the last step, for the scheduler.
         self._drafts: DraftTokenIds | None = None
         self.tp_rank = tp_group.rank_in_group
@@ -333,7 +325,7 @@ class NeuronSchedModelRunner:
                 else (forward.scheduler_output, grammar_output),
                 forward.prompt_logprobs,
                 self.fails_requests_alone,
-                self.speculative,
+                self.speculation,
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).

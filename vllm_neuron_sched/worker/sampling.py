@@ -42,7 +42,6 @@ logger = init_logger(__name__)
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_neuron_sched.runtime import Device
@@ -110,14 +109,6 @@ class DraftedOutput(ModelRunnerOutput):
     each row's next step (sync scheduling hands them to the scheduler)."""
 
     draft_token_ids: list[list[int]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class SpeculativeSampler:
-    """What a speculating step's sampling needs besides the plain sampler."""
-
-    speculation: Speculation
-    rejection_sampler: "RejectionSampler"
 
 
 def history_repairs(
@@ -221,7 +212,7 @@ def enqueue_sampling(
     grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     prompt_logprobs: dict[str, LogprobsTensors],
     fails_requests_alone: bool,
-    speculative: SpeculativeSampler | None = None,
+    speculation: Speculation | None = None,
 ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
     """The step's last execution and its output: sampling, or for a step that
     samples nothing its forward (whose failure must reach the requests too).
@@ -229,13 +220,12 @@ def enqueue_sampling(
     A verify step (``inputs.verify``) runs the rejection sampler instead."""
     result = logits
     if inputs.verify is not None:
-        assert speculative is not None
+        assert speculation is not None
         if not device.runs_at_enqueue:
             metadata = snapshot_sampling_metadata(metadata)
         result = device.enqueue(
             verify_on_device,
-            speculative.speculation,
-            speculative.rejection_sampler,
+            speculation,
             sampler,
             tokens,
             logits,
@@ -256,9 +246,7 @@ def enqueue_sampling(
             np.flatnonzero(~inputs.is_sampled).tolist(),
             repairs,
             None if grammar is None else (*grammar, list(inputs.req_ids)),
-            None
-            if speculative is None
-            else (speculative.speculation, inputs.next_positions),
+            None if speculation is None else (speculation, inputs.next_positions),
         )
     output = make_output_materializer(
         result, inputs.req_ids, inputs.is_sampled, prompt_logprobs, fails_requests_alone

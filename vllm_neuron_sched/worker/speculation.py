@@ -13,25 +13,25 @@ optimistic count (all drafts accepted) and corrects it when the output lands;
 the device always knows the true one.
 
 On the device, in enqueue order: the verify forward (inputs from the slots,
-then the model), then vLLM's rejection sampler, the accepted tokens into the
+then the model), then rejection sampling, the accepted tokens into the
 histories, and the next drafts proposed from them (``ngram.py``). The host
 learns the accepted tokens when the step retires, as it learns sampled tokens.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 
 from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
@@ -221,7 +221,6 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
 
 def verify_on_device(
     speculation: Speculation,
-    rejection_sampler: "RejectionSampler",
     sampler: "Sampler",
     tokens: "DeviceTokens",
     forward: dict[str, Any],
@@ -231,32 +230,14 @@ def verify_on_device(
     """Device side, after the verify forward: rejection sampling, the
     accepted tokens into the histories and the table, the next drafts."""
     with torch.inference_mode():
-        logits = forward["logits"]  # [num_rows * width, vocab]
-        num_drafts = forward["num_drafts"]
-        rows, width = plan.num_rows, plan.width
-        row_starts = torch.arange(rows) * width
-        bonus_indices = (row_starts + num_drafts).to(torch.int32)
-        counts = num_drafts.tolist()
-        if not any(counts):
-            out = sampler(logits=logits[bonus_indices], sampling_metadata=metadata)
-            sampled = out.sampled_token_ids.to(torch.int32)
-        else:
-            offsets = torch.arange(width - 1)
-            is_draft = offsets[None, :] < num_drafts[:, None]
-            target_indices = (row_starts[:, None] + offsets)[is_draft]
-            draft_ids = tokens.drafts[plan.slots, : width - 1][is_draft].contiguous()
-            cu_drafts = torch.cumsum(num_drafts, 0).to(torch.int32)
-            spec = SpecDecodeMetadata(
-                draft_token_ids=draft_ids,
-                num_draft_tokens=counts,
-                cu_num_draft_tokens=cu_drafts,
-                cu_num_sampled_tokens=torch.cumsum(num_drafts + 1, 0).to(torch.int32),
-                target_logits_indices=target_indices.to(torch.int32),
-                bonus_logits_indices=bonus_indices,
-                logits_indices=torch.arange(logits.shape[0], dtype=torch.int32),
-            )
-            out = rejection_sampler(spec, None, logits, _wide(metadata))
-            sampled = out.sampled_token_ids.to(torch.int32)
+        sampled = rejection_sample(
+            sampler,
+            forward["logits"],
+            plan.width,
+            forward["num_drafts"],
+            tokens.drafts[plan.slots],
+            metadata,
+        )
         accepted = (sampled != REJECTED).sum(dim=1)
         tokens.accept(plan.slots, forward["starts"], sampled, accepted)
         speculation.propose(tokens, plan.slots)
@@ -268,23 +249,84 @@ def verify_on_device(
         }
 
 
-def _wide(metadata: "SamplingMetadata") -> "SamplingMetadata":
-    """The per-request sampling parameters as 8-byte tensors: vLLM's CPU
-    replacement for the rejection sampler's ``expand`` kernel copies 8 bytes
-    per element, so float32 temperatures and int32 top-k come out as garbage
-    (vLLM 0.32; measured: [1.5, 0.7] expands to [-1.6e8, 4.6e-41, ...])."""
+def rejection_sample(
+    sampler: "Sampler",
+    logits: torch.Tensor,
+    width: int,
+    num_drafts: torch.Tensor,
+    drafts: torch.Tensor,
+    metadata: "SamplingMetadata",
+) -> torch.Tensor:
+    """Speculative rejection sampling for drafts without probabilities
+    (n-gram: the draft distribution is one-hot). ``logits``: [rows * width,
+    vocab], row r's queries at ``r * width``. Returns [rows, width] tokens:
+    each row's accepted drafts, then one token (the first rejection's
+    replacement, or the bonus), then ``REJECTED``.
 
-    def wide(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None:
-            return None
-        return tensor.double() if tensor.is_floating_point() else tensor.long()
-
-    return replace(
-        metadata,
-        temperature=wide(metadata.temperature),
-        top_k=wide(metadata.top_k),
-        top_p=wide(metadata.top_p),
+    A greedy row accepts a draft while it is the target's argmax and then
+    takes the argmax (vLLM's greedy rule, so tokens equal stock vLLM's). A
+    random row accepts draft d with probability p(d) under the target's
+    temperature, top-k and top-p, and on rejection samples from p with d
+    removed, which leaves the output distributed as p. Seeded rows draw from
+    their own generators. vLLM's rejection sampler computes the same, but its
+    CPU kernels corrupt random sampling in vLLM 0.32 (its ``expand``
+    replacement copies 8 bytes per element; the random kernel returns an
+    accepted draft with no token after it), so this is plain torch.
+    """
+    rows = num_drafts.shape[0]
+    row_starts = torch.arange(rows) * width
+    bonus = sampler(
+        logits=logits[row_starts + num_drafts], sampling_metadata=metadata
+    ).sampled_token_ids[:, 0]
+    out = torch.full((rows, width), REJECTED, dtype=torch.int32)
+    counts = num_drafts.tolist()
+    k = width - 1
+    if not k or not any(counts):
+        out[:, 0] = bonus
+        return out
+    offsets = torch.arange(k)
+    is_draft = offsets[None, :] < num_drafts[:, None]  # [rows, k]
+    target = logits[(row_starts[:, None] + offsets)[is_draft]].float()  # [T, V]
+    draft_ids = drafts[:, :k][is_draft].long()
+    recovered = target.argmax(dim=-1)
+    accept = recovered == draft_ids
+    if not metadata.all_greedy:
+        row_of = torch.arange(rows).repeat_interleave(num_drafts)
+        is_greedy = (metadata.temperature < 1e-5)[row_of]
+        temperature = torch.where(is_greedy, 1.0, metadata.temperature[row_of])
+        scaled = apply_top_k_top_p(
+            target / temperature[:, None].float(),
+            None if metadata.top_k is None else metadata.top_k[row_of],
+            None if metadata.top_p is None else metadata.top_p[row_of],
+        )
+        probs = scaled.softmax(dim=-1)
+        uniform = generate_uniform_probs(
+            draft_ids.shape[0], counts, metadata.generators, probs.device
+        )
+        random_accept = uniform < probs.gather(1, draft_ids[:, None])[:, 0]
+        residual = probs.scatter(1, draft_ids[:, None], 0.0)
+        noise = torch.empty((rows, probs.shape[1])).exponential_()
+        for row, generator in metadata.generators.items():
+            if counts[row]:
+                noise[row].exponential_(generator=generator)
+        random_recovered = (residual / noise[row_of]).argmax(dim=-1)
+        accept = torch.where(is_greedy, accept, random_accept)
+        recovered = torch.where(is_greedy, recovered, random_recovered)
+    accepted = torch.zeros((rows, k), dtype=torch.int64)
+    accepted[is_draft] = accept.long()
+    replacement = torch.zeros((rows, k), dtype=torch.int64)
+    replacement[is_draft] = recovered
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # the leading run
+    out[:, :k] = torch.where(
+        offsets[None, :] < num_accepted[:, None], drafts[:, :k], REJECTED
     )
+    last = torch.where(
+        num_accepted < num_drafts,
+        replacement.gather(1, num_accepted.clamp(max=k - 1)[:, None])[:, 0],
+        bonus.long(),
+    )
+    out.scatter_(1, num_accepted[:, None], last[:, None].to(torch.int32))
+    return out
 
 
 def after_prompt_sampling(

@@ -1,0 +1,99 @@
+"""The verify step's rejection sampling (``speculation.rejection_sample``):
+greedy rows keep vLLM's rule, random rows leave each output token distributed
+as the target's, and a seed reproduces."""
+
+import torch
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_neuron_sched.worker.speculation import REJECTED, rejection_sample
+
+VOCAB = 6
+WIDTH = 3  # 1 + K, K = 2
+
+
+def _metadata(
+    temperature: list[float], generators: dict[int, torch.Generator] | None = None
+) -> SamplingMetadata:
+    rows = len(temperature)
+    greedy = all(t == 0.0 for t in temperature)
+    return SamplingMetadata(
+        temperature=None if greedy else torch.tensor(temperature),
+        all_greedy=greedy,
+        all_random=all(t > 0 for t in temperature),
+        top_p=None,
+        top_k=None,
+        generators=generators or {},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(rows),
+        presence_penalties=torch.zeros(rows),
+        repetition_penalties=torch.ones(rows),
+        output_token_ids=[[] for _ in range(rows)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+        spec_token_ids=None,
+    )
+
+
+def _logits(rows: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(rows * WIDTH, VOCAB, generator=generator)
+
+
+def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
+    logits = _logits(2)
+    argmax = logits.argmax(dim=-1).view(2, WIDTH)
+    # Row 0: both drafts right, so the bonus follows; row 1: the first wrong.
+    drafts = torch.stack([argmax[0, :2], (argmax[1, :2] + 1) % VOCAB]).int()
+    out = rejection_sample(
+        Sampler(), logits, WIDTH, torch.tensor([2, 2]), drafts, _metadata([0.0, 0.0])
+    )
+    assert out[0].tolist() == argmax[0].tolist()
+    assert out[1].tolist() == [argmax[1, 0].item(), REJECTED, REJECTED]
+
+
+def test_random_rows_keep_the_target_distribution() -> None:
+    """The first output token is distributed as softmax(logits / T) whatever
+    the draft: accepted with p(d), else drawn from p without d."""
+    logits = _logits(1)
+    temperature = 0.8
+    target = (logits[0] / temperature).softmax(dim=-1)
+    draft = int(target.argsort()[-2])  # a likely draft, not the likeliest
+    counts = torch.zeros(VOCAB)
+    num_samples = 2000
+    for seed in range(num_samples):
+        generators = {0: torch.Generator().manual_seed(seed)}
+        out = rejection_sample(
+            Sampler(),
+            logits,
+            WIDTH,
+            torch.tensor([1]),
+            torch.tensor([[draft, 0]], dtype=torch.int32),
+            _metadata([temperature], generators),
+        )
+        counts[out[0, 0]] += 1
+        assert (out[0] != REJECTED).sum() in (1, 2)  # a token always follows
+    assert torch.allclose(counts / num_samples, target, atol=0.04)
+
+
+def test_a_seed_reproduces() -> None:
+    logits = _logits(2)
+    drafts = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+
+    def run() -> list[list[int]]:
+        generators = {i: torch.Generator().manual_seed(7 + i) for i in range(2)}
+        torch.rand(3)  # the global generator moves: seeded rows must not care
+        return rejection_sample(
+            Sampler(),
+            logits,
+            WIDTH,
+            torch.tensor([2, 1]),
+            drafts,
+            _metadata([1.0, 0.7], generators),
+        ).tolist()
+
+    assert run() == run()
