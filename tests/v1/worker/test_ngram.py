@@ -1,26 +1,60 @@
-"""The device n-gram proposer gives exactly the drafts of vLLM's CPU proposer."""
+"""The device n-gram proposer gives exactly the drafts of vLLM's CPU proposer.
 
+vLLM's proposer is numba code, and numba (llvmlite) in this process breaks
+vLLM's Triton-kernel override scan of ``sys.modules`` when a later test starts
+a worker in-process; so it runs in a child process of its own.
+"""
+
+import json
 import random
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 
-import numpy as np
 import pytest
 import torch
-from vllm.v1.spec_decode.ngram_proposer import (
-    _find_longest_matched_ngram_and_propose_tokens,
-)
 
 from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
 
-
-def vllm_drafts(
-    tokens: list[int], k: int, min_n: int, max_n: int, max_model_len: int
-) -> list[int]:
-    """What stock vLLM proposes for one request (``NgramProposer.propose``)."""
-    if len(tokens) >= max_model_len:
-        return []
-    return _find_longest_matched_ngram_and_propose_tokens(
+_REFERENCE = """
+import json, sys
+import numpy as np
+from vllm.v1.spec_decode.ngram_proposer import (
+    _find_longest_matched_ngram_and_propose_tokens as find,
+)
+for line in sys.stdin:
+    tokens, k, min_n, max_n, max_model_len = json.loads(line)
+    drafts = [] if len(tokens) >= max_model_len else find(
         np.asarray(tokens, dtype=np.int32), min_n, max_n, max_model_len, k
     ).tolist()
+    print(json.dumps(drafts), flush=True)
+"""
+
+VllmDrafts = Callable[[list[int], int, int, int, int], list[int]]
+
+
+@pytest.fixture(scope="module")
+def vllm_drafts() -> Iterator[VllmDrafts]:
+    """What stock vLLM proposes for one request (``NgramProposer.propose``:
+    no drafts at ``max_model_len``)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _REFERENCE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+
+    def drafts(
+        tokens: list[int], k: int, min_n: int, max_n: int, max_model_len: int
+    ) -> list[int]:
+        child.stdin.write(json.dumps([tokens, k, min_n, max_n, max_model_len]) + "\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+
+    yield drafts
+    child.stdin.close()
+    child.wait(timeout=30)
 
 
 def device_drafts(
@@ -49,7 +83,7 @@ def device_drafts(
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_matches_vllm_on_random_sequences(seed: int) -> None:
+def test_matches_vllm_on_random_sequences(seed: int, vllm_drafts: VllmDrafts) -> None:
     rng = random.Random(seed)
     vocab = rng.randint(3, 6)
     k = rng.randint(1, 5)
@@ -90,7 +124,12 @@ def test_matches_vllm_on_random_sequences(seed: int) -> None:
     ],
 )
 def test_hand_written_cases(
-    tokens: list[int], k: int, min_n: int, max_n: int, expected: list[int]
+    tokens: list[int],
+    k: int,
+    min_n: int,
+    max_n: int,
+    expected: list[int],
+    vllm_drafts: VllmDrafts,
 ) -> None:
     assert vllm_drafts(tokens, k, min_n, max_n, 100) == expected
     assert device_drafts([tokens], k, min_n, max_n, 100, max_len=8) == [expected]
