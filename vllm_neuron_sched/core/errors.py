@@ -56,6 +56,8 @@ class ErrorFinishMixin:
     def add_request(self, request: "Request") -> None:
         super().add_request(request)
         error = self.limits.check(request.num_prompt_tokens, request.max_tokens)
+        if error is None and request.sampling_params is not None:
+            error = self.limits.check_sampling(request.sampling_params)
         if error is not None:
             logger.warning("Rejecting request %s: %s", request.request_id, error)
             self._errored.extend(

@@ -18,7 +18,8 @@ The parts, each with one owner's state: ``host_state`` (requests, the input
 batch, token slots, placeholders), ``async_flow`` (the steps in flight and
 their counters), ``token_table`` (the device token table and the decode-id
 gather), ``inputs`` (one step's padded tensors), ``sampling`` (the device's
-sampler and the output back), ``kv_cache``. The forward and the sampler run
+sampler and the output back), ``speculation`` (verify steps, when the engine
+speculates), ``kv_cache``. The forward and the sampler run
 on the device (``runtime``), in enqueue order.
 
 Ownership: an execution enqueued on the device owns every buffer it reads
@@ -100,7 +101,8 @@ class ForwardState:
 
     scheduler_output: "SchedulerOutput"
     inputs: StepInputs
-    # [num_reqs, vocab] logits of the sampling rows; None when none samples.
+    # [num_reqs, vocab] logits of the sampling rows, None when none samples;
+    # for a verify step, the verify forward's result (``_verify_on_device``).
     logits: "DeviceFuture"
     prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
 

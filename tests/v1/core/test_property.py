@@ -322,7 +322,7 @@ def test_sync_and_batch_queue_agree(
 
 
 @settings(
-    max_examples=MAX_EXAMPLES // 2,
+    max_examples=MAX_EXAMPLES // 4,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
