@@ -81,9 +81,6 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             self.max_model_len,
         )
         self.max_prefill_rows = max(shape.rows for shape in self.prefill_shapes)
-        # Speculative decoding: positions a request may reach past prompt +
-        # max_tokens (its drafts, and under async those of the step before).
-        self.spec_lookahead = self.limits.spec_lookahead
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
 
@@ -194,7 +191,7 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         """KV blocks for the request's whole life: prompt + max_tokens, and
         the drafts' lookahead."""
         num_tokens = min(
-            request.num_prompt_tokens + request.max_tokens + self.spec_lookahead,
+            request.num_prompt_tokens + request.max_tokens + self.limits.spec_lookahead,
             self.max_model_len,
         )
         return cdiv(num_tokens, self.block_size)
@@ -250,5 +247,5 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         prompts = [r.num_tokens for r in batch if r not in decoding]
         tkv_after_join = max(max(prompts), self.decode_tkv(decoding))
         worst_tkv = tkv_after_join + max(self.remaining_tokens(r) for r in batch)
-        worst_tkv += self.spec_lookahead
+        worst_tkv += self.limits.spec_lookahead
         return len(batch) * worst_tkv <= self.limits.max_batch_tkv_limit

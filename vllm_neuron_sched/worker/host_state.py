@@ -194,14 +194,15 @@ class HostRequestState:
         batch.refresh_metadata()
         req_ids = list(batch.req_ids)
         update.token_slots = self.slots.of(req_ids)
-        update.scheduled_num_tokens = np.fromiter(
-            (
-                scheduled_num_tokens.get(r, self.requests[r].num_prompt_tokens)
-                for r in req_ids
-            ),
-            dtype=np.int64,
-            count=len(req_ids),
-        )
+        if self.speculates:
+            update.scheduled_num_tokens = np.fromiter(
+                (
+                    scheduled_num_tokens.get(r, self.requests[r].num_prompt_tokens)
+                    for r in req_ids
+                ),
+                dtype=np.int64,
+                count=len(req_ids),
+            )
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update

@@ -414,13 +414,9 @@ class NeuronSchedModelRunner:
             if history_writes is not None:
                 slots, token_positions, token_index = history_writes
                 self.token_table.record(slots, token_positions, input_ids[token_index])
-            with set_forward_context(
-                build_attention_metadata(attn_inputs),
-                self.vllm_config,
-                num_tokens=num_tokens_padded,
-                slot_mapping=slot_mapping,
-            ):
-                hidden_states = self.model(input_ids=input_ids, positions=positions)
+            hidden_states = self._run_model(
+                input_ids, positions, attn_inputs, slot_mapping, num_tokens_padded
+            )
             for row, *job in prompt_logprobs_jobs:
                 assert row_offsets is not None
                 prompt_logprobs_on_device(
@@ -441,21 +437,37 @@ class NeuronSchedModelRunner:
         row's queries."""
         with torch.inference_mode():
             inputs = complete_on_device(plan, self.token_table)
-            with set_forward_context(
-                build_attention_metadata(inputs.attn_inputs),
-                self.vllm_config,
-                num_tokens=plan.num_tokens_padded,
-                slot_mapping=inputs.slot_mapping,
-            ):
-                hidden_states = self.model(
-                    input_ids=inputs.input_ids, positions=inputs.positions
-                )
+            hidden_states = self._run_model(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.attn_inputs,
+                inputs.slot_mapping,
+                plan.num_tokens_padded,
+            )
             num_real = plan.num_rows * plan.width
             return {
                 "logits": self.model.compute_logits(hidden_states[:num_real]),
                 "num_drafts": inputs.num_drafts,
                 "starts": inputs.starts,
             }
+
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_inputs: list[tuple[Any, Any]],
+        slot_mapping: dict[str, torch.Tensor],
+        num_tokens_padded: int,
+    ) -> torch.Tensor:
+        """Device side: the model at the step's padded shape, its attention
+        metadata built here (section 11: never on the host)."""
+        with set_forward_context(
+            build_attention_metadata(attn_inputs),
+            self.vllm_config,
+            num_tokens=num_tokens_padded,
+            slot_mapping=slot_mapping,
+        ):
+            return self.model(input_ids=input_ids, positions=positions)
 
     def _dummy_forward(self, num_tokens: int) -> None:
         with (

@@ -280,6 +280,21 @@ def check_invariants(
             assert delivered == tokens[: len(delivered)], req_id
 
 
+def check_both_loops(workload: Workload, checkpoint_dir: str) -> None:
+    """Invariants hold in both loops, and both deliver the same outputs."""
+    sync = run_workload(workload, ChunkedPrefillScheduler, checkpoint_dir)
+    batch_queue = run_workload(workload, AsyncChunkedPrefillScheduler, checkpoint_dir)
+    check_invariants(workload, *sync)
+    check_invariants(workload, *batch_queue)
+    for spec in workload.specs:
+        if spec.abort_step is None:
+            req_id = spec.req_id
+            assert sync[0].tokens[req_id] == batch_queue[0].tokens[req_id]
+            assert (
+                sync[0].finish_reasons[req_id] == batch_queue[0].finish_reasons[req_id]
+            )
+
+
 @pytest.fixture(scope="module")
 def case_counter() -> Iterator[dict[str, int]]:
     """Reports how many generated workloads ran (each through both loops)."""
@@ -308,17 +323,7 @@ def test_sync_and_batch_queue_agree(
 ) -> None:
     """Invariants hold in both loops, and both loops deliver the same outputs."""
     case_counter["ran"] += 1
-    sync = run_workload(workload, ChunkedPrefillScheduler, checkpoint_dir)
-    batch_queue = run_workload(workload, AsyncChunkedPrefillScheduler, checkpoint_dir)
-    check_invariants(workload, *sync)
-    check_invariants(workload, *batch_queue)
-    for spec in workload.specs:
-        if spec.abort_step is None:
-            req_id = spec.req_id
-            assert sync[0].tokens[req_id] == batch_queue[0].tokens[req_id]
-            assert (
-                sync[0].finish_reasons[req_id] == batch_queue[0].finish_reasons[req_id]
-            )
+    check_both_loops(workload, checkpoint_dir)
 
 
 @settings(
@@ -336,14 +341,4 @@ def test_speculative_steps_agree(
     position past the reserve, the tkv limit kept) and both deliver the same
     outputs."""
     case_counter["ran"] += 1
-    sync = run_workload(workload, ChunkedPrefillScheduler, checkpoint_dir)
-    batch_queue = run_workload(workload, AsyncChunkedPrefillScheduler, checkpoint_dir)
-    check_invariants(workload, *sync)
-    check_invariants(workload, *batch_queue)
-    for spec in workload.specs:
-        if spec.abort_step is None:
-            req_id = spec.req_id
-            assert sync[0].tokens[req_id] == batch_queue[0].tokens[req_id]
-            assert (
-                sync[0].finish_reasons[req_id] == batch_queue[0].finish_reasons[req_id]
-            )
+    check_both_loops(workload, checkpoint_dir)
