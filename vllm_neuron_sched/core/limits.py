@@ -60,8 +60,9 @@ class RequestLimits:
     # yet are refused (``check_sampling``).
     speculates: bool = False
     # Positions a speculating request may reach past prompt + max_tokens: a
-    # verify step's drafts, and with async scheduling the drafts of the step
-    # before, whose rejections the scheduler has not heard of yet.
+    # verify step's drafts, with async scheduling the drafts of the step
+    # before, whose rejections the scheduler has not heard of yet, and a draft
+    # model's KV past the verify step (vLLM's ``num_lookahead_tokens``).
     spec_lookahead: int = 0
 
     @classmethod
@@ -88,7 +89,8 @@ class RequestLimits:
             shapes,
             max_num_scheduled_tokens,
             speculates=vllm_config.speculative_config is not None,
-            spec_lookahead=depth * vllm_config.num_speculative_tokens,
+            spec_lookahead=depth * vllm_config.num_speculative_tokens
+            + vllm_config.num_lookahead_tokens,
         )
 
     def check_sampling(self, params: object) -> str | None:

@@ -168,14 +168,20 @@ def ensure_checkpoint(
 # exactly in seconds on a CPU (copying an arbitrary phrase needs induction
 # heads, which do not form in that budget). Greedy output from any prompt thus
 # cycles with a period of 4-12 tokens: the n-gram proposer finds what follows
-# in the prompt or in earlier output, and the draft, trained the same way,
-# agrees with the target token for token.
+# in the prompt or in earlier output. The draft is trained on the same map with
+# every other cycle reversed (``DRAFT_REVERSE_EVERY``): on the other cycles it
+# agrees with the target token for token (its drafts are all accepted), on the
+# reversed ones it proposes each token's predecessor (none is accepted). Its
+# KV heads differ from the target's, so their KV specs differ too (vLLM then
+# puts both in one group of different page sizes, as for real draft models);
+# four query heads split over TP=4.
 TRAINED_SPEC = CheckpointSpec(
     layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, init_range=0.02
 )
 DRAFT_SPEC = CheckpointSpec(
-    layers=1, hidden=64, heads=2, kv_heads=2, intermediate=128, init_range=0.02
+    layers=1, hidden=128, heads=4, kv_heads=1, intermediate=256, init_range=0.02
 )
+DRAFT_REVERSE_EVERY = 2
 TRAINED_MARKER = "neuron_sched_trained.json"
 # Bumped when the recipe changes, so cached checkpoints are remade.
 _RECIPE_VERSION = 1
@@ -257,6 +263,7 @@ def make_trained_checkpoint(
     spec: CheckpointSpec | None = None,
     steps: int = 150,
     seed: int = 0,
+    reverse_every: int = 0,
 ) -> Path:
     """Write a checkpoint trained to follow the cycle map to ``path`` and
     return it.
@@ -264,8 +271,10 @@ def make_trained_checkpoint(
     ``spec`` (default ``TRAINED_SPEC``) sets the shape, the tokenizer and the
     initial weights, as for ``make_checkpoint``; ``seed`` sets the cycles and
     the training data, so a target and a draft made with the same ``seed`` and
-    ``spec.vocab`` share tokenizer and map. Deterministic for a machine: torch
-    trains on one thread, whatever the machine has.
+    ``spec.vocab`` share tokenizer and map. ``reverse_every``: cycle ``i`` is
+    learnt backwards where ``i % reverse_every == 1`` (a draft that is right
+    on some cycles and wrong on the others). Deterministic for a machine:
+    torch trains on one thread, whatever the machine has.
     """
     import time
 
@@ -282,6 +291,10 @@ def make_trained_checkpoint(
     tokenizer.save_pretrained(path)
     special = set(tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)))
     cycles = _cycles([i for i in range(len(tokenizer)) if i not in special], seed)
+    if reverse_every:
+        cycles = [
+            c[::-1] if i % reverse_every == 1 else c for i, c in enumerate(cycles)
+        ]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(_THREADS)
@@ -306,6 +319,7 @@ def make_trained_checkpoint(
         "final_loss": round(loss, 4),
         "train_s": round(train_s, 1),
         "spec": spec.__dict__,
+        "reverse_every": reverse_every,
         "cycles": cycles,
     }
     # Written last: its presence means the checkpoint is complete.
@@ -320,13 +334,24 @@ def _marker(checkpoint: str | Path) -> dict:
 def ensure_trained_checkpoints(
     target: Path = TRAINED_CHECKPOINT, draft: Path = DRAFT_CHECKPOINT
 ) -> tuple[Path, Path]:
-    """``(target, draft)``, each trained the first time (or when the recipe
+    """``(target, draft)``, each trained the first time (or when its recipe
     changed) with ``TRAINED_SPEC`` and ``DRAFT_SPEC``; together about half a
     minute on one core."""
-    for path, spec in ((target, TRAINED_SPEC), (draft, DRAFT_SPEC)):
-        marker = path / TRAINED_MARKER
-        if not marker.exists() or _marker(path)["version"] != _RECIPE_VERSION:
-            make_trained_checkpoint(path, spec)
+    for path, spec, reverse in (
+        (target, TRAINED_SPEC, 0),
+        (draft, DRAFT_SPEC, DRAFT_REVERSE_EVERY),
+    ):
+        want = (_RECIPE_VERSION, spec.__dict__, reverse)
+        have = None
+        if (path / TRAINED_MARKER).exists():
+            marker = _marker(path)
+            have = (
+                marker["version"],
+                marker.get("spec"),
+                marker.get("reverse_every", 0),
+            )
+        if have != want:
+            make_trained_checkpoint(path, spec, reverse_every=reverse)
     return target, draft
 
 
@@ -378,11 +403,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.trained:
         target = Path(args.dir)
-        for path, spec in (
-            (target, TRAINED_SPEC),
-            (Path(f"{target}-draft"), DRAFT_SPEC),
+        for path, spec, reverse in (
+            (target, TRAINED_SPEC, 0),
+            (Path(f"{target}-draft"), DRAFT_SPEC, DRAFT_REVERSE_EVERY),
         ):
-            out = make_trained_checkpoint(path, spec, seed=args.seed)
+            out = make_trained_checkpoint(
+                path, spec, seed=args.seed, reverse_every=reverse
+            )
             marker = _marker(out)
             print(f"wrote {out} (loss {marker['final_loss']}, {marker['train_s']} s)")
         return

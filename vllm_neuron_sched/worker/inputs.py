@@ -108,6 +108,14 @@ class StepInputs:
     def has_samples(self) -> bool:
         return bool(self.is_sampled.any())
 
+    def block_tables(self) -> dict[int, torch.Tensor]:
+        """KV cache group id -> the step's block table (a row per request
+        first, in row order; the step's own copy)."""
+        return {
+            group.kv_cache_group_id: common.block_table_tensor
+            for group, common in self.attn_inputs
+        }
+
 
 def build_step_inputs(
     batch: "InputBatch",

@@ -19,8 +19,8 @@ batch, token slots, placeholders), ``async_flow`` (the steps in flight and
 their counters), ``token_table`` (the device token table and the decode-id
 gather), ``inputs`` (one step's padded tensors), ``sampling`` (the device's
 sampler and the output back), ``speculation`` (verify steps, when the engine
-speculates), ``kv_cache``. The forward and the sampler run
-on the device (``runtime``), in enqueue order.
+speculates; ``draft_model`` when a draft model proposes), ``kv_cache``. The
+forward and the sampler run on the device (``runtime``), in enqueue order.
 
 Ownership: an execution enqueued on the device owns every buffer it reads
 until its future resolves. The host builds each step into fresh tensors and
@@ -56,6 +56,7 @@ from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import finishes_failed_requests
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
+from vllm_neuron_sched.worker.draft_model import DraftModel
 from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
     PromptLogprobsJob,
@@ -74,6 +75,9 @@ from vllm_neuron_sched.worker.sampling import (
     prompt_logprobs_on_device,
 )
 from vllm_neuron_sched.worker.speculation import (
+    DRAFT_MODEL,
+    NgramProposer,
+    Proposer,
     Speculation,
     VerifyPlan,
     complete_on_device,
@@ -139,6 +143,16 @@ class NeuronSchedModelRunner:
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.speculation = Speculation.from_config(vllm_config)
+        # Proposes the drafts on the device; a draft model also runs its
+        # forward after every prefill forward.
+        self.proposer: Proposer | None = None
+        self.draft: DraftModel | None = None
+        if self.speculation is not None:
+            if self.speculation.method == DRAFT_MODEL:
+                self.draft = DraftModel(vllm_config, self.speculation, self.buckets)
+                self.proposer = self.draft
+            else:
+                self.proposer = NgramProposer(self.speculation)
         # Sync scheduling: the drafts of the last step, for the scheduler.
         self._drafts: DraftTokenIds | None = None
         self.tp_rank = tp_group.rank_in_group
@@ -192,6 +206,8 @@ class NeuronSchedModelRunner:
         if load_dummy_weights:
             raise ValueError("vllm_neuron_sched cannot load dummy weights")
         self.model = get_model(vllm_config=self.vllm_config)
+        if self.draft is not None:
+            self.draft.load()
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -213,6 +229,8 @@ class NeuronSchedModelRunner:
         """Allocates the KV cache, then the input batch (its block tables
         need the block sizes). ``kwargs``: vLLM's, unused."""
         block_sizes = self.kv_cache.allocate(kv_cache_config)
+        if self.draft is not None:
+            self.draft.bind(self.kv_cache.draft_groups)
         processors = self.model_config.logits_processors
         self.host.allocate_batch(
             block_sizes,
@@ -327,7 +345,7 @@ class NeuronSchedModelRunner:
                 else (forward.scheduler_output, grammar_output),
                 forward.prompt_logprobs,
                 self.fails_requests_alone,
-                self.speculation,
+                self.proposer,
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).
@@ -417,6 +435,8 @@ class NeuronSchedModelRunner:
             hidden_states = self._run_model(
                 input_ids, positions, attn_inputs, slot_mapping, num_tokens_padded
             )
+            if self.draft is not None:
+                self.draft.prefill(input_ids, positions, attn_inputs, num_tokens_padded)
             for row, *job in prompt_logprobs_jobs:
                 assert row_offsets is not None
                 prompt_logprobs_on_device(
@@ -470,11 +490,13 @@ class NeuronSchedModelRunner:
             return self.model(input_ids=input_ids, positions=positions)
 
     def _dummy_forward(self, num_tokens: int) -> None:
+        models = [self.model] + ([] if self.draft is None else [self.draft.model])
         with (
             torch.inference_mode(),
             set_forward_context(None, self.vllm_config, num_tokens=num_tokens),
         ):
-            self.model(
-                input_ids=torch.zeros(num_tokens, dtype=torch.int32),
-                positions=torch.zeros(num_tokens, dtype=torch.int64),
-            )
+            for model in models:
+                model(
+                    input_ids=torch.zeros(num_tokens, dtype=torch.int32),
+                    positions=torch.zeros(num_tokens, dtype=torch.int64),
+                )

@@ -32,7 +32,7 @@ from vllm_neuron_sched.runtime import (
 )
 from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
 from vllm_neuron_sched.worker.speculation import (
-    Speculation,
+    Proposer,
     after_prompt_sampling,
     verify_on_device,
 )
@@ -132,13 +132,14 @@ def sample_on_device(
     discarded_rows: list[int],
     repairs: list[tuple[int, int]],
     grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
-    speculation: "tuple[Speculation, torch.Tensor] | None" = None,
+    speculation: "tuple[Proposer, torch.Tensor, dict[int, torch.Tensor]] | None" = None,
 ) -> dict[str, Any]:
     """Runs on the device thread. Samples, writes each sampling row's token
     into the device token table (``write_slots``; non-sampling rows point at
     the padding slot) and returns the tokens and their logprobs.
     ``speculation``: also into the histories (at each row's next position),
-    and propose each row's first drafts."""
+    and propose each row's first drafts (the proposer, the positions, the
+    rows' block tables)."""
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
     with torch.inference_mode():
@@ -168,8 +169,9 @@ def sample_on_device(
         tokens.write(write_slots, sampled)
         result = {"sampled": sampled, "logprobs": output.logprobs_tensors}
         if speculation is not None:
+            proposer, positions, tables = speculation
             result |= after_prompt_sampling(
-                speculation[0], tokens, write_slots, speculation[1], sampled
+                proposer, tokens, write_slots, positions, sampled, tables
             )
     return result
 
@@ -212,7 +214,7 @@ def enqueue_sampling(
     grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     prompt_logprobs: dict[str, LogprobsTensors],
     fails_requests_alone: bool,
-    speculation: Speculation | None = None,
+    proposer: Proposer | None = None,
 ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
     """The step's last execution and its output: sampling, or for a step that
     samples nothing its forward (whose failure must reach the requests too).
@@ -220,12 +222,12 @@ def enqueue_sampling(
     A verify step (``inputs.verify``) runs the rejection sampler instead."""
     result = logits
     if inputs.verify is not None:
-        assert speculation is not None
+        assert proposer is not None
         if not device.runs_at_enqueue:
             metadata = snapshot_sampling_metadata(metadata)
         result = device.enqueue(
             verify_on_device,
-            speculation,
+            proposer,
             sampler,
             tokens,
             logits,
@@ -246,7 +248,9 @@ def enqueue_sampling(
             np.flatnonzero(~inputs.is_sampled).tolist(),
             repairs,
             None if grammar is None else (*grammar, list(inputs.req_ids)),
-            None if speculation is None else (speculation, inputs.next_positions),
+            None
+            if proposer is None
+            else (proposer, inputs.next_positions, inputs.block_tables()),
         )
     output = make_output_materializer(
         result, inputs.req_ids, inputs.is_sampled, prompt_logprobs, fails_requests_alone

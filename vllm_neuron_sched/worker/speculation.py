@@ -1,12 +1,13 @@
 """Speculative decoding on a static-shape device, chained on the device.
 
-With ``--speculative-config`` (n-gram prompt lookup) every decode step is a
-*verify step*: each decode row runs ``1 + K`` queries, its newest token and K
-drafts, at the static shape ``[decode bucket, 1 + K]`` (rows without drafts
-padded; a step where the scheduler gave no row a draft runs at
-``[bucket, 1]``). Everything the step needs beyond the block table comes from
-the device's per-slot state (``DeviceTokens``): the newest token, the drafts,
-the number of tokens known (so the positions and KV slots), because under
+With ``--speculative-config`` (n-gram prompt lookup, or a draft model:
+``draft_model.py``) every decode step is a *verify step*: each decode row
+runs ``1 + K`` queries, its newest token and K drafts, at the static shape
+``[decode bucket, 1 + K]`` (rows without drafts padded; a step where the
+scheduler gave no row a draft runs at ``[bucket, 1]``). Everything the step
+needs beyond the block table comes from the device's per-slot state
+(``DeviceTokens``): the newest token, the drafts, the number of tokens known
+(so the positions and KV slots), because under
 async scheduling the step before has not told the host, or the scheduler,
 how many of its drafts were accepted. vLLM's scheduler plans with the
 optimistic count (all drafts accepted) and corrects it when the output lands;
@@ -14,12 +15,13 @@ the device always knows the true one.
 
 On the device, in enqueue order: the verify forward (inputs from the slots,
 then the model), then rejection sampling, the accepted tokens into the
-histories, and the next drafts proposed from them (``ngram.py``). The host
-learns the accepted tokens when the step retires, as it learns sampled tokens.
+histories, and the next drafts proposed from them (``ngram.py``, or the draft
+model's forwards). The host learns the accepted tokens when the step retires,
+as it learns sampled tokens.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 
 from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
+from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,10 +41,16 @@ if TYPE_CHECKING:
 
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
+    # Per attention group, the plain metadata its builder turns into its own.
+    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
+
 # The proposers this runner runs on the device. "ngram_gpu" is vLLM's name for
 # an n-gram proposer on the accelerator, the one vLLM's config check lets run
 # with async scheduling; "ngram" is the same proposer for sync scheduling.
-METHODS = ("ngram", "ngram_gpu")
+# "draft_model": a smaller model of the same vocabulary (sync and async).
+NGRAM_METHODS = ("ngram", "ngram_gpu")
+DRAFT_MODEL = "draft_model"
+METHODS = (*NGRAM_METHODS, DRAFT_MODEL)
 # Rejected positions in the rejection sampler's output.
 REJECTED = -1
 
@@ -50,10 +59,11 @@ REJECTED = -1
 class Speculation:
     """The engine's speculative decoding, fixed at start-up."""
 
+    method: str
     num_tokens: int  # K: drafts per verify row
-    min_n: int
-    max_n: int
     max_model_len: int
+    min_n: int = 0  # n-gram methods
+    max_n: int = 0
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "Speculation | None":
@@ -64,17 +74,22 @@ class Speculation:
         if config.method not in METHODS:
             raise ValueError(
                 f"vllm_neuron_sched runs speculative decoding with the n-gram "
-                f"proposer on the device (method {' or '.join(map(repr, METHODS))}; "
-                f"'ngram_gpu' keeps async scheduling on); got method "
-                f"{config.method!r}"
+                f"proposer or a draft model on the device (method "
+                f"{', '.join(map(repr, METHODS))}; 'ngram_gpu' keeps async "
+                f"scheduling on); got method {config.method!r}"
             )
+        max_model_len = vllm_config.model_config.max_model_len
+        if config.method == DRAFT_MODEL:
+            _check_draft_model(vllm_config)
+            return cls(config.method, config.num_speculative_tokens, max_model_len)
         assert config.prompt_lookup_min is not None
         assert config.prompt_lookup_max is not None
         return cls(
-            num_tokens=config.num_speculative_tokens,
+            config.method,
+            config.num_speculative_tokens,
+            max_model_len,
             min_n=config.prompt_lookup_min,
             max_n=config.prompt_lookup_max,
-            max_model_len=vllm_config.model_config.max_model_len,
         )
 
     @property
@@ -82,16 +97,64 @@ class Speculation:
         """Columns of the device histories: every position a token can take."""
         return self.max_model_len + 1 + self.num_tokens
 
-    def propose(self, tokens: "DeviceTokens", slots: torch.Tensor) -> None:
-        """Device side: the next drafts of these slots, from their histories."""
+
+def _check_draft_model(vllm_config: "VllmConfig") -> None:
+    """What the draft's forwards need: its vocabulary is the target's (the
+    verify step compares token ids), and it is sharded like the target (its
+    TP ranks are the target's)."""
+    config = vllm_config.speculative_config
+    assert config is not None
+    if config.use_heterogeneous_vocab:
+        raise ValueError(
+            "vllm_neuron_sched runs a draft model of the target's vocabulary "
+            "only (speculative_config 'use_heterogeneous_vocab' is not supported)"
+        )
+    config.verify_equal_vocab_size_if_draft_model()
+    target_tp = vllm_config.parallel_config.tensor_parallel_size
+    draft_tp = config.draft_parallel_config.tensor_parallel_size
+    if draft_tp != target_tp:
+        raise ValueError(
+            f"vllm_neuron_sched runs the draft model on the target's TP ranks: "
+            f"speculative_config 'draft_tensor_parallel_size' must be "
+            f"{target_tp} (the tensor_parallel_size), got {draft_tp}"
+        )
+
+
+@dataclass(frozen=True)
+class AcceptedTokens:
+    """Device side: what a sampling execution just added to each row's
+    history, for the proposer: ``tokens[r, :counts[r]]`` at positions
+    ``starts[r]`` on (rows with count 0 added nothing), and each row's block
+    table per KV cache group (``[>= rows, columns]``)."""
+
+    slots: torch.Tensor  # [rows] int64
+    starts: torch.Tensor  # [rows] int64
+    tokens: torch.Tensor  # [rows, W] int32 (REJECTED past the counts)
+    counts: torch.Tensor  # [rows] int64
+    tables: dict[int, torch.Tensor]
+
+
+class Proposer(Protocol):
+    """Device side: the next drafts of the rows in ``accepted``, into
+    ``tokens.drafts`` and ``tokens.draft_counts``."""
+
+    def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None: ...
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    speculation: Speculation
+
+    def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
+        spec, slots = self.speculation, accepted.slots
         drafts, counts = propose_ngram_drafts(
             tokens.history,
             tokens.lengths[slots],
             slots,
-            self.num_tokens,
-            self.min_n,
-            self.max_n,
-            self.max_model_len,
+            spec.num_tokens,
+            spec.min_n,
+            spec.max_n,
+            spec.max_model_len,
         )
         tokens.drafts[slots] = drafts
         tokens.draft_counts[slots] = counts
@@ -174,32 +237,63 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
     ids = torch.zeros((plan.num_rows_padded, width), dtype=torch.int32)
     ids[:rows, 0] = tokens.read(plan.slots)
     ids[:rows, 1:] = tokens.drafts[plan.slots, : width - 1]
-    offsets = torch.arange(width)
-    positions = torch.zeros((plan.num_rows_padded, width), dtype=torch.int64)
-    positions[:rows] = (lengths - 1)[:, None] + offsets
+    positions = padded_positions(plan.num_rows_padded, width)
+    positions[:rows] += (lengths - 1)[:, None]
     is_real = torch.zeros((plan.num_rows_padded, width), dtype=torch.bool)
-    is_real[:rows] = offsets[None, :] <= num_drafts[:, None]
-    seq_lens = torch.full((plan.num_rows_padded,), width, dtype=torch.int32)
-    seq_lens[:rows] = (lengths - 1 + width).to(torch.int32)
-    query_start_loc = torch.arange(
-        0, plan.num_tokens_padded + 1, width, dtype=torch.int32
+    is_real[:rows] = positions[:rows] - (lengths - 1)[:, None] <= num_drafts[:, None]
+    attn_inputs, slot_mapping = rectangular_attention(
+        positions, is_real, [(g, t) for g, t, _ in plan.tables]
     )
+    return VerifyInputs(
+        input_ids=ids.flatten(),
+        positions=positions.flatten(),
+        slot_mapping=slot_mapping,
+        attn_inputs=attn_inputs,
+        num_drafts=num_drafts,
+        starts=lengths,
+    )
+
+
+def padded_positions(num_rows: int, width: int) -> torch.Tensor:
+    """``[num_rows, width]`` positions ``0 .. width - 1`` per row: what a
+    padded row of a rectangular step keeps (one sequence of ``width``)."""
+    return torch.arange(width, dtype=torch.int64).repeat(num_rows, 1)
+
+
+def rectangular_attention(
+    positions: torch.Tensor,
+    is_real: torch.Tensor,
+    tables: "list[tuple[AttentionGroup, torch.Tensor]]",
+) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
+    """Device side: attention for ``[rows, width]`` queries, each row one
+    sequence whose queries sit at consecutive ``positions`` (a padded row's
+    at ``padded_positions``). Queries not ``is_real`` write no KV, nor do
+    positions whose block the table does not hold yet (the null block 0); a
+    real query sees its own row's positions up to its own. ``tables``: per
+    attention group, each row's blocks (``[>= real rows, columns]``; padded
+    rows get the null block)."""
+    num_rows, width = positions.shape
+    seq_lens = (positions[:, -1] + 1).to(torch.int32)
+    query_start_loc = torch.arange(0, num_rows * width + 1, width, dtype=torch.int32)
     flat_positions = positions.flatten()
+    row_of = torch.arange(num_rows).repeat_interleave(width)
     slot_mapping: dict[str, torch.Tensor] = {}
     attn_inputs = []
-    for group, table, block_size in plan.tables:
-        row_of = torch.arange(plan.num_rows_padded).repeat_interleave(width)
-        block = table[
-            row_of, (flat_positions // block_size).clamp(max=table.shape[1] - 1)
-        ]
-        kv_slots = block.to(torch.int64) * block_size + flat_positions % block_size
-        kv_slots[~is_real.flatten()] = -1
+    for group, rows_table in tables:
+        block_size = group.kv_cache_spec.block_size
+        real_rows = min(rows_table.shape[0], num_rows)
+        columns = max(rows_table.shape[1], -(-int(seq_lens.max()) // block_size))
+        table = torch.zeros((num_rows, columns), dtype=rows_table.dtype)
+        table[:real_rows, : rows_table.shape[1]] = rows_table[:real_rows]
+        block = table[row_of, flat_positions // block_size].to(torch.int64)
+        kv_slots = block * block_size + flat_positions % block_size
+        kv_slots[~is_real.flatten() | (block == 0)] = -1
         common = CommonAttentionMetadata(
             query_start_loc=query_start_loc,
             query_start_loc_cpu=query_start_loc,
             seq_lens=seq_lens,
-            num_reqs=plan.num_rows_padded,
-            num_actual_tokens=plan.num_tokens_padded,
+            num_reqs=num_rows,
+            num_actual_tokens=num_rows * width,
             max_query_len=width,
             max_seq_len=int(seq_lens.max()),
             block_table_tensor=table,
@@ -209,18 +303,11 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
         attn_inputs.append((group, common))
         for layer_name in group.layer_names:
             slot_mapping[layer_name] = kv_slots
-    return VerifyInputs(
-        input_ids=ids.flatten(),
-        positions=flat_positions,
-        slot_mapping=slot_mapping,
-        attn_inputs=attn_inputs,
-        num_drafts=num_drafts,
-        starts=lengths,
-    )
+    return attn_inputs, slot_mapping
 
 
 def verify_on_device(
-    speculation: Speculation,
+    proposer: Proposer,
     sampler: "Sampler",
     tokens: "DeviceTokens",
     forward: dict[str, Any],
@@ -240,7 +327,16 @@ def verify_on_device(
         )
         accepted = (sampled != REJECTED).sum(dim=1)
         tokens.accept(plan.slots, forward["starts"], sampled, accepted)
-        speculation.propose(tokens, plan.slots)
+        proposer.propose(
+            tokens,
+            AcceptedTokens(
+                plan.slots,
+                forward["starts"],
+                sampled,
+                accepted,
+                {group.kv_cache_group_id: table for group, table, _ in plan.tables},
+            ),
+        )
         return {
             "tokens": sampled,
             "counts": accepted,
@@ -330,17 +426,23 @@ def rejection_sample(
 
 
 def after_prompt_sampling(
-    speculation: Speculation,
+    proposer: Proposer,
     tokens: "DeviceTokens",
     slots: torch.Tensor,
     positions: torch.Tensor,
     sampled: torch.Tensor,
+    tables: dict[int, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """Device side, after a prompt's last chunk sampled its first token: the
     token into the history, and the first drafts, so the request's first
-    decode step already verifies drafts."""
-    tokens.accept(slots, positions, sampled[:, None], torch.ones_like(positions))
-    speculation.propose(tokens, slots)
+    decode step already verifies drafts. Rows that sample nothing write the
+    spare slot and add nothing."""
+    ones = torch.ones_like(positions)
+    tokens.accept(slots, positions, sampled[:, None], ones)
+    counts = torch.where(slots == SPARE_TOKEN_SLOT, 0, ones)
+    proposer.propose(
+        tokens, AcceptedTokens(slots, positions, sampled[:, None], counts, tables)
+    )
     return {
         "drafts": tokens.drafts[slots].clone(),
         "draft_counts": tokens.draft_counts[slots].clone(),
