@@ -5,11 +5,13 @@
 Each configuration runs in its own process (vLLM picks its platform once per
 process) on the trained repeat checkpoint (``testing/checkpoint.py``), whose
 greedy output continues a token cycle, so n-gram drafts are accepted where the
-history repeats. Workloads: ``decode_heavy`` (every prompt a repeat prompt,
-long outputs) and ``mixed`` (half repeat prompts, half misleading ones whose
-first drafts are rejected, shorter outputs). One warm-up run, then
-``--repeats`` timed ``LLM.generate`` runs of the whole workload; the medians
-are reported with vLLM's acceptance counters and our step counters.
+history repeats, and with its trained draft model (``*_draft`` modes), which
+is right on every other cycle and wrong on the rest. Workloads:
+``decode_heavy`` (every prompt a repeat prompt, long outputs) and ``mixed``
+(half repeat prompts, half misleading ones whose first drafts are rejected,
+shorter outputs). One warm-up run, then ``--repeats`` timed ``LLM.generate``
+runs of the whole workload; the medians are reported with vLLM's acceptance
+counters and our step counters.
 """
 
 import argparse
@@ -22,9 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_neuron_sched.testing.checkpoint import DRAFT_CHECKPOINT
+
 RESULT = "SPEC_BENCH_RESULT:"
 K = 3
 NGRAM = {"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# The trained draft: right on every other token cycle, wrong on the rest.
+DRAFT = {
+    "method": "draft_model",
+    "model": str(DRAFT_CHECKPOINT),
+    "num_speculative_tokens": K,
+}
 ENGINE = {
     "dtype": "float32",
     "max_model_len": 512,
@@ -54,6 +64,8 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         },
         {},
     ),
+    "ours_sync_draft": ({"async_scheduling": False, "speculative_config": DRAFT}, {}),
+    "ours_async_draft": ({"async_scheduling": True, "speculative_config": DRAFT}, {}),
 }
 
 

@@ -128,7 +128,7 @@ class DraftModel:
             ids = torch.zeros((num_rows, 1), dtype=torch.int32)
             ids[:rows, 0] = drafts[-1]
             positions = padded_positions(num_rows, 1)
-            positions[:rows, 0] = position.clamp(max=self.max_model_len - 1)
+            positions[:rows, 0] = position
             is_real = torch.zeros((num_rows, 1), dtype=torch.bool)
             is_real[:rows, 0] = real_rows & (position < self.max_model_len)
             drafts.append(self._greedy(ids, positions, is_real, accepted.tables, real))
@@ -169,4 +169,9 @@ class DraftModel:
             num_tokens=num_tokens_padded,
             slot_mapping=slot_mapping,
         ):
-            return self.model(input_ids=input_ids, positions=positions)
+            # Padded queries may reach past the model's positions (they write
+            # no KV and nothing reads their output).
+            return self.model(
+                input_ids=input_ids,
+                positions=positions.clamp(max=self.max_model_len - 1),
+            )

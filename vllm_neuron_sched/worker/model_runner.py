@@ -459,7 +459,9 @@ class NeuronSchedModelRunner:
             inputs = complete_on_device(plan, self.token_table)
             hidden_states = self._run_model(
                 inputs.input_ids,
-                inputs.positions,
+                # Queries past a row's drafts may reach past the model's
+                # positions; they write no KV and nothing reads their output.
+                inputs.positions.clamp(max=self.max_model_len - 1),
                 inputs.attn_inputs,
                 inputs.slot_mapping,
                 plan.num_tokens_padded,

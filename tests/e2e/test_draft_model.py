@@ -1,0 +1,211 @@
+"""Speculative decoding with a draft model on the device, through
+``LLM.generate``, sync and async, against stock vLLM CPU without speculation.
+
+The trained draft (``testing/checkpoint.py``) follows the target's successor
+map on every other cycle and walks the others backwards, so a prompt in an
+agreeing cycle has every draft accepted and a prompt in a reversed cycle
+none. Its KV heads differ from the target's: both share one KV cache group of
+different page sizes.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_neuron_sched.testing.checkpoint import (
+    ensure_trained_checkpoints,
+    repeat_prompt_ids,
+    successor_map,
+)
+from vllm_neuron_sched.testing.oracle import (
+    generate,
+    spec_decode_counters,
+    start_in_subprocess,
+)
+from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV
+
+pytestmark = pytest.mark.slow
+
+ENGINE = {**SMALL_ENGINE, "disable_log_stats": False}
+K = 3
+# Budgets that are no multiple of 1 + K, so a run ends inside a verify step.
+MAX_TOKENS = [26, 17, 30, 11]
+# The first request stops at its third output token: inside the first verify
+# step, whose drafts are all accepted.
+STOP_AT = 3
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> tuple[str, str]:
+    target, draft = ensure_trained_checkpoints()
+    return str(target), str(draft)
+
+
+def _prompts(target: str, draft: str, agree: bool) -> list[list[int]]:
+    """Prompts whose walk the draft follows (``agree``) or reverses: short
+    ones, and ones of several prefill chunks (the chunk is 32 tokens)."""
+    succ, draft_succ = successor_map(target), successor_map(draft)
+
+    def draft_agrees(seed: int) -> bool:
+        last = repeat_prompt_ids(target, seed, length=12)[-1]
+        return succ[last] == draft_succ[last]
+
+    seeds = [seed for seed in range(200) if draft_agrees(seed) == agree]
+    return [
+        repeat_prompt_ids(target, seeds[0], length=12),
+        repeat_prompt_ids(target, seeds[1], length=40, noise=3),
+    ]
+
+
+def _all_prompts(target: str, draft: str) -> list[list[int]]:
+    agreeing, reversed_ = _prompts(target, draft, True), _prompts(target, draft, False)
+    return [agreeing[0], reversed_[0], agreeing[1], reversed_[1]]
+
+
+def _walk(target: str, prompt: list[int], n: int) -> list[int]:
+    succ = successor_map(target)
+    tokens = [prompt[-1]]
+    for _ in range(n):
+        tokens.append(succ[tokens[-1]])
+    return tokens[1:]
+
+
+def _params(target: str, draft: str) -> list[dict[str, Any]]:
+    params = [
+        {"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in MAX_TOKENS
+    ]
+    first = _all_prompts(target, draft)[0]
+    params[0]["stop_token_ids"] = [_walk(target, first, STOP_AT)[-1]]
+    return params
+
+
+def _stock(target: str, draft: str) -> Any:
+    return start_in_subprocess(
+        target,
+        _all_prompts(target, draft),
+        _params(target, draft),
+        ENGINE,
+        env=STOCK_ENV,
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stock_runs(checkpoints: tuple[str, str]) -> None:
+    """The stock child (no speculation) starts while our engines start."""
+    _stock(*checkpoints)
+
+
+# name -> (engine keywords, environment of its workers)
+ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    # A device thread beside the worker's main thread.
+    "sync": ({"async_scheduling": False}, {"VLLM_NEURON_SCHED_DEVICE": "thread"}),
+    "async": ({"async_scheduling": True}, {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine(
+    request: pytest.FixtureRequest, checkpoints: tuple[str, str]
+) -> Iterator[tuple[str, Any]]:
+    from vllm import LLM
+
+    target, draft = checkpoints
+    kwargs, env = ENGINES[request.param]
+    speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        llm = LLM(model=target, **ENGINE, **kwargs, speculative_config=speculative)
+    yield request.param, llm
+    llm.llm_engine.engine_core.shutdown()  # the next engine's cores are free
+
+
+@pytest.fixture(scope="module")
+def results(engine: tuple[str, Any], checkpoints: tuple[str, str]) -> dict[str, Any]:
+    name, llm = engine
+    records = generate(llm, _all_prompts(*checkpoints), _params(*checkpoints))
+    return {
+        "name": name,
+        "records": records,
+        "stats": llm.collective_rpc("get_async_scheduling_stats"),
+    }
+
+
+def test_greedy_tokens_equal_stock_without_speculation(
+    results: dict[str, Any], checkpoints: tuple[str, str]
+) -> None:
+    target, draft = checkpoints
+    stock = _stock(target, draft).result()
+    prompts = _all_prompts(target, draft)
+    walks = [_walk(target, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    assert [r["token_ids"] for r in stock] == [walks[0][:STOP_AT], *walks[1:]]
+    ours = results["records"]
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
+    assert [r["finish_reason"] for r in ours] == [r["finish_reason"] for r in stock]
+    assert ours[0]["finish_reason"] == "stop"
+
+
+def _counted(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Speculation counters of one generate call (vLLM's, as deltas)."""
+    before = spec_decode_counters(llm)
+    generate(llm, prompts, {"temperature": 0.0, "max_tokens": max_tokens})
+    after = spec_decode_counters(llm)
+    return {
+        key: after.get(key, 0) - before.get(key, 0)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
+
+
+def test_agreeing_drafts_are_all_accepted(
+    engine: tuple[str, Any], checkpoints: tuple[str, str]
+) -> None:
+    _, llm = engine
+    counted = _counted(llm, _prompts(*checkpoints, agree=True), 21)
+    assert counted["num_drafts"] > 0
+    assert counted["num_accepted_tokens"] == counted["num_draft_tokens"]
+
+
+def test_reversed_drafts_are_all_rejected(
+    engine: tuple[str, Any], checkpoints: tuple[str, str]
+) -> None:
+    _, llm = engine
+    counted = _counted(llm, _prompts(*checkpoints, agree=False), 21)
+    assert counted["num_draft_tokens"] > 0
+    assert counted["num_accepted_tokens"] == 0
+
+
+def test_async_verify_steps_are_fed_from_the_device(results: dict[str, Any]) -> None:
+    if results["name"] != "async":
+        pytest.skip("sync mode reads every step's output before the next")
+    for stats in results["stats"]:
+        assert stats["async_steps"] > 0
+        assert stats["sync_fallback_steps"] == 0
+        assert stats["host_waits"] == 0
+
+
+def test_seeded_sampling_reproduces(
+    engine: tuple[str, Any], checkpoints: tuple[str, str]
+) -> None:
+    """The rejection sampler's random path with the draft's proposals."""
+    _, llm = engine
+    params = {"temperature": 1.5, "top_k": 50, "seed": 7, "max_tokens": 20}
+    prompts = _all_prompts(*checkpoints)[:2]
+    first = generate(llm, prompts, params)
+    alone = generate(llm, prompts[1:], params)
+    assert alone[0]["token_ids"] == first[1]["token_ids"]
+    assert all(len(r["token_ids"]) == 20 for r in first)
+
+
+def test_a_run_to_max_model_len(
+    engine: tuple[str, Any], checkpoints: tuple[str, str]
+) -> None:
+    """The last verify steps' drafts and the draft's lookahead reach past
+    ``max_model_len``: no position past it runs, and the request ends there."""
+    _, llm = engine
+    target, draft = checkpoints
+    prompt = _prompts(target, draft, agree=True)[0]
+    budget = ENGINE["max_model_len"] - len(prompt)
+    records = generate(llm, [prompt], {"temperature": 0.0, "max_tokens": budget})
+    assert records[0]["token_ids"] == _walk(target, prompt, budget)
+    assert records[0]["finish_reason"] == "length"
