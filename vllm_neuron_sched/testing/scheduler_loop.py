@@ -277,9 +277,12 @@ def build_scheduler(
     runner: str = "auto",
     enable_prefix_caching: bool = False,
     num_spec_tokens: int = 0,
+    draft_model: bool = False,
 ) -> Scheduler:
     """A scheduler over a fake KV cache of ``num_blocks`` blocks, no engine.
-    ``num_spec_tokens``: speculative decoding (n-gram) with that many drafts."""
+    ``num_spec_tokens``: speculative decoding with that many drafts, n-gram,
+    or with ``draft_model`` a draft (the model itself), whose KV lookahead
+    vLLM's scheduler allocates."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -319,6 +322,14 @@ def build_scheduler(
         ),
         speculative_config=None
         if not num_spec_tokens
+        else SpeculativeConfig(
+            method="draft_model",
+            model=model_dir,
+            num_speculative_tokens=num_spec_tokens,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+        if draft_model
         else SpeculativeConfig(
             method="ngram_gpu" if async_scheduling else "ngram",
             num_speculative_tokens=num_spec_tokens,

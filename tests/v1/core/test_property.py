@@ -91,8 +91,10 @@ class Workload:
     tkv_limit: int
     # VLLM_NEURON_SCHED_PREFILL_SHAPES ("" = the default grid).
     prefill_shapes: str = ""
-    # Speculative decoding: drafts per verify row (0: off).
+    # Speculative decoding: drafts per verify row (0: off), and whether a
+    # draft model proposes (its KV reaches K past the verify step).
     num_spec_tokens: int = 0
+    draft_model: bool = False
 
     def forced(self) -> dict[tuple[str, int], int]:
         forced = {}
@@ -131,29 +133,42 @@ class Events:
 
 
 class CheckingRunner(FakeRunner):
-    """Keeps every ``SchedulerOutput`` so invariants can be checked after the run."""
+    """Keeps every ``SchedulerOutput`` so invariants can be checked after the
+    run, and every request that holds more KV blocks than admission reserved
+    for it (vLLM allocates a draft model's lookahead past the scheduled
+    tokens: a reserve that leaves it out is overdrawn)."""
 
     def __init__(
         self, forced: dict[tuple[str, int], int], num_spec_tokens: int = 0
     ) -> None:
         super().__init__(VOCAB, forced=forced, num_spec_tokens=num_spec_tokens)
         self.outputs: list[SchedulerOutput] = []
+        self.overdrawn: list[tuple[int, str, int, int]] = []
 
     def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
         self.outputs.append(so)
+        for req_id in so.num_scheduled_tokens:
+            held = len(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+            reserved = scheduler.blocks_needed(scheduler.requests[req_id])
+            if held > reserved:
+                self.overdrawn.append((len(self.outputs) - 1, req_id, held, reserved))
         return super().execute(so, scheduler)
 
 
 @st.composite
 def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
+    num_spec_tokens = draw(st.integers(1, 4)) if speculative else 0
+    draft_model = speculative and draw(st.booleans())
     num_requests = draw(st.integers(1, 12))
     specs = []
     for i in range(num_requests):
         prompt_len = draw(st.integers(1, 100))
         max_tokens = draw(st.integers(1, 40))
         if speculative and draw(st.booleans()):
-            # prompt + max_tokens ends a block: a draft past it needs one more.
-            max_tokens += -(prompt_len + max_tokens) % BLOCK_SIZE
+            # prompt + max_tokens (+ some drafts) ends a block: a draft past
+            # it needs one more.
+            shift = draw(st.integers(0, 3)) * num_spec_tokens
+            max_tokens += -(prompt_len + max_tokens + shift) % BLOCK_SIZE
         arrival = draw(st.integers(0, 20) | st.just(0))  # bursts: groups
         output_index = st.none() | st.integers(0, max_tokens - 1)
         abort_after = draw(st.none() | st.integers(0, 40))
@@ -175,9 +190,8 @@ def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
     extra_blocks = draw(st.integers(0, 4) | st.integers(0, 24))
     if speculative:
         extra_blocks = draw(st.just(0) | st.integers(0, 4))
-    num_spec_tokens = draw(st.integers(1, 4)) if speculative else 0
     # Room for the largest request with its drafts' lookahead (both loops).
-    largest += 2 * num_spec_tokens
+    largest += (2 + draft_model) * num_spec_tokens
     num_blocks = cdiv(largest, BLOCK_SIZE) + 1 + extra_blocks
     tkv_limit = draw(st.just(0) | st.integers(largest, 2 * largest))
     shapes = draw(st.sampled_from(["", f"1x{chunk_size}", "random"]))
@@ -195,6 +209,7 @@ def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
         tkv_limit,
         shapes,
         num_spec_tokens,
+        draft_model,
     )
 
 
@@ -225,6 +240,7 @@ def run_workload(
         block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN,
         num_spec_tokens=workload.num_spec_tokens,
+        draft_model=workload.draft_model,
     )
     runner = CheckingRunner(workload.forced(), workload.num_spec_tokens)
     loop = run_batch_queue if is_async else run_sync
@@ -263,6 +279,9 @@ def check_invariants(
         if kinds == {False}:
             max_position = max(start + n for start, n in step.scheduled.values())
             assert len(step.scheduled) * max_position <= tkv_limit, where
+    assert not runner.overdrawn, (
+        f"(step, request, blocks, reserved): {runner.overdrawn}"
+    )
     violations = interleaving_violations([step.is_prefill for step in runner.steps])
     assert violations == [], f"prefill steps {violations} follow a prefill"
     block_pool = scheduler.kv_cache_manager.block_pool
