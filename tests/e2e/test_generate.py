@@ -7,7 +7,6 @@ logprobs within 1e-4; seeded random sampling must match between our sync and
 async modes.
 """
 
-import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +15,7 @@ from unittest import mock
 import pytest
 
 from vllm_neuron_sched.testing.oracle import (
+    assert_logprobs_close,
     generate,
     generate_in_subprocess,
     start_in_subprocess,
@@ -86,20 +86,6 @@ def stock_runs(checkpoint_dir: str) -> None:
         )
 
 
-def _assert_logprobs_close(ours: list | None, stock: list | None) -> None:
-    assert (ours is None) == (stock is None)
-    if ours is None or stock is None:
-        return
-    assert len(ours) == len(stock)
-    for our_step, stock_step in zip(ours, stock):
-        assert (our_step is None) == (stock_step is None)
-        if our_step is None:
-            continue
-        assert our_step.keys() == stock_step.keys()
-        for token, logprob in our_step.items():
-            assert math.isclose(logprob, stock_step[token], abs_tol=TOLERANCE)
-
-
 def _stats(llm: Any) -> dict[str, int]:
     return llm.collective_rpc("get_async_scheduling_stats")[0]
 
@@ -158,8 +144,10 @@ def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
     for our_out, stock_out, max_tokens in zip(ours, stock_greedy, MAX_TOKENS):
         assert len(our_out["token_ids"]) == max_tokens
         assert our_out["token_ids"] == stock_out["token_ids"]
-        _assert_logprobs_close(our_out["logprobs"], stock_out["logprobs"])
-        _assert_logprobs_close(our_out["prompt_logprobs"], stock_out["prompt_logprobs"])
+        assert_logprobs_close(our_out["logprobs"], stock_out["logprobs"], TOLERANCE)
+        assert_logprobs_close(
+            our_out["prompt_logprobs"], stock_out["prompt_logprobs"], TOLERANCE
+        )
     assert ours[1]["prompt_logprobs"] is not None  # returned, not dropped
 
 

@@ -23,6 +23,7 @@ from vllm_neuron_sched.testing.checkpoint import (
     successor_map,
 )
 from vllm_neuron_sched.testing.oracle import (
+    assert_logprobs_close,
     generate,
     spec_decode_counters,
     start_in_subprocess,
@@ -70,6 +71,8 @@ def _params(checkpoint: str) -> list[dict[str, Any]]:
     ]
     # A stop token the model reaches inside an accepted run of drafts.
     params[0]["stop_token_ids"] = [_walk(checkpoint)[STOP_AT - 1]]
+    # Logprobs of accepted runs and of rejections' replacements.
+    params[1]["logprobs"] = params[2]["logprobs"] = 2
     return params
 
 
@@ -164,6 +167,16 @@ def test_greedy_tokens_equal_stock_without_speculation(
     # The stop token ended the first request inside an accepted run.
     assert ours[0]["finish_reason"] == "stop"
     assert ours[0]["token_ids"] == _walk(checkpoint)[:STOP_AT]
+
+
+def test_logprobs_equal_stock(results: dict[str, Any], checkpoint: str) -> None:
+    """Each output token's logprobs (the target's at its position), in
+    accepted runs as after a rejection, as stock's with its speculation."""
+    stock = _stock(checkpoint, speculative=True).result()
+    for ours, theirs in zip(results["records"][1:3], stock[1:3]):
+        assert ours["logprobs"] is not None
+        assert len(ours["logprobs"]) == len(ours["token_ids"])
+        assert_logprobs_close(ours["logprobs"], theirs["logprobs"], 1e-4)
 
 
 def test_drafts_are_accepted_and_rejected(results: dict[str, Any]) -> None:

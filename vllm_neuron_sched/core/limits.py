@@ -64,6 +64,8 @@ class RequestLimits:
     # before, whose rejections the scheduler has not heard of yet, and a draft
     # model's KV past the verify step (vLLM's ``num_lookahead_tokens``).
     spec_lookahead: int = 0
+    # Verify steps report logprobs in vLLM's default mode (raw logprobs).
+    verify_logprobs: bool = True
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -91,17 +93,18 @@ class RequestLimits:
             speculates=vllm_config.speculative_config is not None,
             spec_lookahead=depth * vllm_config.num_speculative_tokens
             + vllm_config.num_lookahead_tokens,
+            verify_logprobs=vllm_config.model_config.logprobs_mode == "raw_logprobs",
         )
 
     def check_sampling(self, params: object) -> str | None:
         """Why these sampling parameters cannot run on this engine, or None.
 
         With speculative decoding the verify step samples greedy, temperature,
-        top-k, top-p and seeds (``speculation.rejection_sample``). Options
-        that need the request's history on the host at verify time
-        (penalties, bad words, min_tokens), per-token logprobs, logit bias,
-        allowed tokens, min_p and structured outputs are refused rather than
-        run wrong."""
+        top-k, top-p and seeds (``speculation.rejection_sample``) and reports
+        logprobs in vLLM's default mode (raw logprobs). Options that need the
+        request's history on the host at verify time (penalties, bad words,
+        min_tokens), logprobs in the other modes, logit bias, allowed tokens,
+        min_p and structured outputs are refused rather than run wrong."""
         if not self.speculates:
             return None
         unsupported = [
@@ -115,7 +118,11 @@ class RequestLimits:
                 ),
                 ("bad_words", getattr(params, "bad_words", None)),
                 ("min_tokens", getattr(params, "min_tokens", 0)),
-                ("logprobs", getattr(params, "logprobs", None) is not None),
+                (
+                    "logprobs",
+                    getattr(params, "logprobs", None) is not None
+                    and not self.verify_logprobs,
+                ),
                 ("logit_bias", getattr(params, "logit_bias", None)),
                 ("allowed_token_ids", getattr(params, "allowed_token_ids", None)),
                 ("min_p", getattr(params, "min_p", 0.0)),
@@ -127,8 +134,8 @@ class RequestLimits:
             return None
         return (
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
-            "on vllm_neuron_sched yet (temperature, top_k, top_p, seed and "
-            "prompt_logprobs can)"
+            "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
+            "logprobs and prompt_logprobs can)"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

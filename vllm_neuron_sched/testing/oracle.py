@@ -13,6 +13,7 @@ starts meanwhile.
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -160,6 +161,24 @@ def as_record(out: Any) -> dict[str, Any]:
         "logprobs": steps(completion.logprobs),
         "prompt_logprobs": steps(out.prompt_logprobs),
     }
+
+
+def assert_logprobs_close(
+    ours: list | None, stock: list | None, tolerance: float
+) -> None:
+    """Per-step logprob records (``as_record``) with the same tokens and
+    values within ``tolerance``."""
+    assert (ours is None) == (stock is None)
+    if ours is None or stock is None:
+        return
+    assert len(ours) == len(stock)
+    for our_step, stock_step in zip(ours, stock):
+        assert (our_step is None) == (stock_step is None)
+        if our_step is None:
+            continue
+        assert our_step.keys() == stock_step.keys()
+        for token, logprob in our_step.items():
+            assert math.isclose(logprob, stock_step[token], abs_tol=tolerance)
 
 
 def spec_decode_counters(llm: Any) -> dict[str, Any]:

@@ -308,7 +308,7 @@ def make_output_materializer(
             counts = values["counts"].tolist()
             rows = values["tokens"].tolist()
             sampled = [row[:count] for row, count in zip(rows, counts)]
-            logprobs = None
+            logprobs = values["logprobs"]
         else:
             tokens = values["sampled"].tolist()
             sampled = [

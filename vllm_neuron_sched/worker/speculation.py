@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 
@@ -326,6 +327,11 @@ def verify_on_device(
             metadata,
         )
         accepted = (sampled != REJECTED).sum(dim=1)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = verify_logprobs(
+                sampler, forward["logits"], sampled, metadata.max_num_logprobs
+            )
         tokens.accept(plan.slots, forward["starts"], sampled, accepted)
         proposer.propose(
             tokens,
@@ -340,9 +346,34 @@ def verify_on_device(
         return {
             "tokens": sampled,
             "counts": accepted,
+            "logprobs": logprobs,
             "drafts": tokens.drafts[plan.slots].clone(),
             "draft_counts": tokens.draft_counts[plan.slots].clone(),
         }
+
+
+def verify_logprobs(
+    sampler: "Sampler",
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    num_logprobs: int,
+) -> LogprobsTensors:
+    """Logprobs of every query of a verify step (``logits``: [rows * width,
+    vocab]; ``tokens``: [rows, width], what it output, ``REJECTED`` past each
+    row's run), each row's ``width`` entries at ``row * width``: the
+    scheduler keeps a row's first as many as it output. The target's raw
+    distribution at each output position (logprobs mode ``raw_logprobs``, as
+    vLLM's rejection sampler reports it)."""
+    rows, width = tokens.shape
+    scores = sampler.compute_logprobs(logits.float())
+    ids = tokens.flatten().clamp(min=0).long()
+    token_ids, values, ranks, *_ = sampler.gather_logprobs(scores, num_logprobs, ids)
+    return LogprobsTensors(
+        token_ids,
+        values,
+        ranks,
+        cu_num_generated_tokens=list(range(0, rows * width + 1, width)),
+    )
 
 
 def rejection_sample(
