@@ -1,5 +1,6 @@
 """Speculative decoding with a draft model on the device, through
-``LLM.generate``, sync and async, against stock vLLM CPU without speculation.
+``LLM.generate``, sync and async at TP=4, against stock vLLM CPU without
+speculation.
 
 The trained draft (``testing/checkpoint.py``) follows the target's successor
 map on every other cycle and walks the others backwards, so a prompt in an
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.checkpoint import (
     ensure_trained_checkpoints,
     repeat_prompt_ids,
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 ENGINE = {**SMALL_ENGINE, "disable_log_stats": False}
 K = 3
+TP = 4
 # Budgets that are no multiple of 1 + K, so a run ends inside a verify step.
 MAX_TOKENS = [26, 17, 30, 11]
 # The first request stops at its third output token: inside the first verify
@@ -100,7 +103,12 @@ def stock_runs(checkpoints: tuple[str, str]) -> None:
 ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     # A device thread beside the worker's main thread.
     "sync": ({"async_scheduling": False}, {"VLLM_NEURON_SCHED_DEVICE": "thread"}),
-    "async": ({"async_scheduling": True}, {}),
+    # Target and draft sharded over four ranks (the draft's four query heads,
+    # its one KV head replicated).
+    "async_tp4": (
+        {"async_scheduling": True, "tensor_parallel_size": TP},
+        {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(TP)},
+    ),
 }
 
 
@@ -129,6 +137,7 @@ def results(engine: tuple[str, Any], checkpoints: tuple[str, str]) -> dict[str, 
         "name": name,
         "records": records,
         "stats": llm.collective_rpc("get_async_scheduling_stats"),
+        "ranks": llm.collective_rpc("get_rank_state"),
     }
 
 
@@ -176,12 +185,15 @@ def test_reversed_drafts_are_all_rejected(
 
 
 def test_async_verify_steps_are_fed_from_the_device(results: dict[str, Any]) -> None:
-    if results["name"] != "async":
+    if results["name"] != "async_tp4":
         pytest.skip("sync mode reads every step's output before the next")
+    assert len(results["stats"]) == TP
     for stats in results["stats"]:
         assert stats["async_steps"] > 0
         assert stats["sync_fallback_steps"] == 0
         assert stats["host_waits"] == 0
+    # Every rank finished the requests with the same tokens.
+    assert len({rank["finished_digest"] for rank in results["ranks"]}) == 1
 
 
 def test_seeded_sampling_reproduces(
