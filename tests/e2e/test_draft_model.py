@@ -62,8 +62,10 @@ def _prompts(target: str, draft: str, agree: bool) -> list[list[int]]:
 
 
 def _all_prompts(target: str, draft: str) -> list[list[int]]:
+    """Four prompts of known walks, then two with penalties and allowed
+    tokens (``_params``)."""
     agreeing, reversed_ = _prompts(target, draft, True), _prompts(target, draft, False)
-    return [agreeing[0], reversed_[0], agreeing[1], reversed_[1]]
+    return [agreeing[0], reversed_[0], agreeing[1], reversed_[1], *agreeing]
 
 
 def _walk(target: str, prompt: list[int], n: int) -> list[int]:
@@ -78,8 +80,21 @@ def _params(target: str, draft: str) -> list[dict[str, Any]]:
     params = [
         {"temperature": 0.0, "max_tokens": n, "ignore_eos": True} for n in MAX_TOKENS
     ]
-    first = _all_prompts(target, draft)[0]
-    params[0]["stop_token_ids"] = [_walk(target, first, STOP_AT)[-1]]
+    prompts = _all_prompts(target, draft)
+    params[0]["stop_token_ids"] = [_walk(target, prompts[0], STOP_AT)[-1]]
+    # Penalties at every verify query: the walk repeats its cycle, which they
+    # push away from; allowed tokens that leave out every other step of it.
+    greedy = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    params.append(
+        {
+            **greedy,
+            "repetition_penalty": 1.5,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+        }
+    )
+    walk = _walk(target, prompts[5], 24)
+    params.append({**greedy, "allowed_token_ids": sorted(set(walk[1::2]) | {7, 8, 9})})
     return params
 
 
@@ -148,9 +163,13 @@ def test_greedy_tokens_equal_stock_without_speculation(
     stock = _stock(target, draft).result()
     prompts = _all_prompts(target, draft)
     walks = [_walk(target, p, n) for p, n in zip(prompts, MAX_TOKENS)]
-    assert [r["token_ids"] for r in stock] == [walks[0][:STOP_AT], *walks[1:]]
+    stock_tokens = [r["token_ids"] for r in stock]
+    assert stock_tokens[:4] == [walks[0][:STOP_AT], *walks[1:]]
+    # Penalties and allowed tokens moved stock off the walk.
+    for request in (4, 5):
+        assert stock_tokens[request] != _walk(target, prompts[request], 24)
     ours = results["records"]
-    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
+    assert [r["token_ids"] for r in ours] == stock_tokens
     assert [r["finish_reason"] for r in ours] == [r["finish_reason"] for r in stock]
     assert ours[0]["finish_reason"] == "stop"
 

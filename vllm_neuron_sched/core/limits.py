@@ -100,22 +100,17 @@ class RequestLimits:
         """Why these sampling parameters cannot run on this engine, or None.
 
         With speculative decoding the verify step samples greedy, temperature,
-        top-k, top-p and seeds (``speculation.rejection_sample``) and reports
-        logprobs in vLLM's default mode (raw logprobs). Options that need the
-        request's history on the host at verify time (penalties, bad words,
-        min_tokens), logprobs in the other modes, logit bias, allowed tokens,
-        min_p and structured outputs are refused rather than run wrong."""
+        top-k, top-p, seeds, penalties and allowed tokens
+        (``speculation.rejection_sample``, ``constrain_verify_logits``) and
+        reports logprobs in vLLM's default mode (raw logprobs). Bad words,
+        min_tokens, logprobs in the other modes and structured outputs are
+        refused rather than run wrong, and so are logit bias and min_p, which
+        vLLM itself refuses with speculative decoding."""
         if not self.speculates:
             return None
         unsupported = [
             name
             for name, is_set in (
-                ("presence_penalty", getattr(params, "presence_penalty", 0.0)),
-                ("frequency_penalty", getattr(params, "frequency_penalty", 0.0)),
-                (
-                    "repetition_penalty",
-                    getattr(params, "repetition_penalty", 1.0) != 1.0,
-                ),
                 ("bad_words", getattr(params, "bad_words", None)),
                 ("min_tokens", getattr(params, "min_tokens", 0)),
                 (
@@ -124,7 +119,6 @@ class RequestLimits:
                     and not self.verify_logprobs,
                 ),
                 ("logit_bias", getattr(params, "logit_bias", None)),
-                ("allowed_token_ids", getattr(params, "allowed_token_ids", None)),
                 ("min_p", getattr(params, "min_p", 0.0)),
                 ("structured_outputs", getattr(params, "structured_outputs", None)),
             )
@@ -135,7 +129,7 @@ class RequestLimits:
         return (
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
             "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
-            "logprobs and prompt_logprobs can)"
+            "penalties, allowed_token_ids, logprobs and prompt_logprobs can)"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

@@ -20,11 +20,12 @@ model's forwards). The host learns the accepted tokens when the step retires,
 as it learns sampled tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+from vllm.model_executor.layers.utils import apply_penalties
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
@@ -172,6 +173,7 @@ class VerifyPlan:
     num_rows_padded: int  # the decode bucket
     slots: torch.Tensor  # [num_rows] int64 token slots
     scheduled_drafts: torch.Tensor  # [num_rows] int64
+    prompt_lens: torch.Tensor  # [num_rows] int64 (penalties count what follows)
     # Per attention group: the group, its [num_rows_padded, blocks] table
     # (padded rows and columns: the null block 0) and its block size.
     tables: "list[tuple[AttentionGroup, torch.Tensor, int]]"
@@ -210,6 +212,9 @@ def plan_verify(
         num_rows_padded=num_rows_padded,
         slots=torch.from_numpy(token_slots[:num_rows].copy()),
         scheduled_drafts=torch.from_numpy(scheduled_drafts.astype(np.int64)),
+        prompt_lens=torch.from_numpy(
+            batch.num_prompt_tokens[:num_rows].astype(np.int64)
+        ),
         tables=tables,
     )
 
@@ -318,9 +323,12 @@ def verify_on_device(
     """Device side, after the verify forward: rejection sampling, the
     accepted tokens into the histories and the table, the next drafts."""
     with torch.inference_mode():
+        logits, metadata = constrain_verify_logits(
+            forward["logits"], plan, tokens, metadata
+        )
         sampled = rejection_sample(
             sampler,
-            forward["logits"],
+            logits,
             plan.width,
             forward["num_drafts"],
             tokens.drafts[plan.slots],
@@ -350,6 +358,55 @@ def verify_on_device(
             "drafts": tokens.drafts[plan.slots].clone(),
             "draft_counts": tokens.draft_counts[plan.slots].clone(),
         }
+
+
+def constrain_verify_logits(
+    logits: torch.Tensor,
+    plan: VerifyPlan,
+    tokens: "DeviceTokens",
+    metadata: "SamplingMetadata",
+) -> "tuple[torch.Tensor, SamplingMetadata]":
+    """Device side: the allowed-token masks and the penalties at every query
+    of a verify step, and the metadata left for the sampler (without them).
+
+    Query ``j`` of a row predicts the token after its ``j`` drafts, so its
+    penalties count the row's output so far and those drafts, all read from
+    the device history: under async scheduling the host's lists still hold
+    placeholders. vLLM's ``apply_penalties`` does the arithmetic, as in stock
+    sampling; vLLM's own rejection sampler counts the drafts the same way."""
+    width = plan.width
+    mask = metadata.allowed_token_ids_mask
+    if metadata.no_penalties and mask is None:
+        return logits, metadata
+    logits = logits.clone()
+    rows, vocab = plan.num_rows, logits.shape[1]
+    if mask is not None:
+        logits.masked_fill_(mask[:rows].repeat_interleave(width, 0), float("-inf"))
+    if not metadata.no_penalties:
+        assert metadata.prompt_token_ids is not None
+        lengths = tokens.lengths[plan.slots]
+        span = int(lengths.max()) + width - 1
+        history = tokens.history[plan.slots, :span].long()
+        if width > 1:
+            columns = lengths[:, None] + torch.arange(width - 1)
+            history = history.scatter(
+                1, columns, tokens.drafts[plan.slots, : width - 1].long()
+            )
+        position = torch.arange(span)[None, None, :]
+        ends = lengths[:, None] + torch.arange(width)[None, :]  # [rows, width]
+        is_output = (position >= plan.prompt_lens[:, None, None]) & (
+            position < ends[:, :, None]
+        )
+        outputs = torch.where(is_output, history[:, None, :], vocab)
+        apply_penalties(
+            logits,
+            metadata.prompt_token_ids[:rows].repeat_interleave(width, 0),
+            outputs.reshape(rows * width, span),
+            metadata.presence_penalties[:rows].repeat_interleave(width),
+            metadata.frequency_penalties[:rows].repeat_interleave(width),
+            metadata.repetition_penalties[:rows].repeat_interleave(width),
+        )
+    return logits, replace(metadata, no_penalties=True, allowed_token_ids_mask=None)
 
 
 def verify_logprobs(

@@ -97,3 +97,63 @@ def test_a_seed_reproduces() -> None:
         ).tolist()
 
     assert run() == run()
+
+
+def test_penalties_count_each_querys_drafts() -> None:
+    """Query j of a verify row is penalized for the row's output so far and
+    its first j drafts (read from the device history), exactly as vLLM's
+    ``apply_penalties`` does for that output; the prompt only counts for the
+    repetition penalty."""
+    from dataclasses import replace
+
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    from vllm_neuron_sched.runtime import make_device
+    from vllm_neuron_sched.worker.speculation import (
+        VerifyPlan,
+        constrain_verify_logits,
+    )
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+    vocab, width = 8, WIDTH
+    tokens = DeviceTokens(4, make_device("inline"), history_len=16, num_drafts=2)
+    # Slot 1: prompt [1, 2], output [3, 3]; slot 2: prompt [4], output [5].
+    histories = {1: ([1, 2], [3, 3]), 2: ([4], [5])}
+    drafts = {1: [3, 6], 2: [0, 5]}
+    for slot, (prompt, output) in histories.items():
+        known = prompt + output
+        tokens.history[slot, : len(known)] = torch.tensor(known)
+        tokens.lengths[slot] = len(known)
+        tokens.drafts[slot] = torch.tensor(drafts[slot])
+    plan = VerifyPlan(
+        width=width,
+        num_rows=2,
+        num_rows_padded=2,
+        slots=torch.tensor([1, 2]),
+        scheduled_drafts=torch.tensor([2, 2]),
+        prompt_lens=torch.tensor([2, 1]),
+        tables=[],
+    )
+    metadata = replace(
+        _metadata([0.0, 0.0]),
+        no_penalties=False,
+        prompt_token_ids=torch.tensor([[1, 2], [4, vocab]]),
+        presence_penalties=torch.tensor([0.5, 0.25]),
+        frequency_penalties=torch.tensor([0.3, 0.1]),
+        repetition_penalties=torch.tensor([1.5, 2.0]),
+    )
+    logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(1))
+    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata)
+    assert left.no_penalties  # the sampler does not apply them again
+    for row, slot in enumerate((1, 2)):
+        prompt, output = histories[slot]
+        for j in range(width):
+            expected = apply_penalties(
+                logits[row * width + j][None].clone(),
+                torch.tensor([prompt]),
+                torch.tensor([output + drafts[slot][:j]]),
+                metadata.presence_penalties[row : row + 1],
+                metadata.frequency_penalties[row : row + 1],
+                metadata.repetition_penalties[row : row + 1],
+            )
+            assert torch.allclose(constrained[row * width + j], expected[0])
