@@ -62,10 +62,17 @@ def _prompts(target: str, draft: str, agree: bool) -> list[list[int]]:
 
 
 def _all_prompts(target: str, draft: str) -> list[list[int]]:
-    """Four prompts of known walks, then two with penalties and allowed
-    tokens (``_params``)."""
+    """Four prompts of known walks, then three with penalties, allowed tokens
+    and min_tokens (``_params``)."""
     agreeing, reversed_ = _prompts(target, draft, True), _prompts(target, draft, False)
-    return [agreeing[0], reversed_[0], agreeing[1], reversed_[1], *agreeing]
+    return [
+        agreeing[0],
+        reversed_[0],
+        agreeing[1],
+        reversed_[1],
+        *agreeing,
+        agreeing[0],
+    ]
 
 
 def _walk(target: str, prompt: list[int], n: int) -> list[int]:
@@ -95,6 +102,10 @@ def _params(target: str, draft: str) -> list[dict[str, Any]]:
     )
     walk = _walk(target, prompts[5], 24)
     params.append({**greedy, "allowed_token_ids": sorted(set(walk[1::2]) | {7, 8, 9})})
+    # The walk's second token stops the request, but not before six tokens:
+    # masked at the verify queries that would come sooner.
+    walk = _walk(target, prompts[6], 24)
+    params.append({**greedy, "stop_token_ids": [walk[1]], "min_tokens": 6})
     return params
 
 
@@ -166,7 +177,7 @@ def test_greedy_tokens_equal_stock_without_speculation(
     stock_tokens = [r["token_ids"] for r in stock]
     assert stock_tokens[:4] == [walks[0][:STOP_AT], *walks[1:]]
     # Penalties and allowed tokens moved stock off the walk.
-    for request in (4, 5):
+    for request in (4, 5, 6):
         assert stock_tokens[request] != _walk(target, prompts[request], 24)
     ours = results["records"]
     assert [r["token_ids"] for r in ours] == stock_tokens

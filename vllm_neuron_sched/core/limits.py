@@ -100,10 +100,10 @@ class RequestLimits:
         """Why these sampling parameters cannot run on this engine, or None.
 
         With speculative decoding the verify step samples greedy, temperature,
-        top-k, top-p, seeds, penalties and allowed tokens
+        top-k, top-p, seeds, penalties, allowed tokens and min_tokens
         (``speculation.rejection_sample``, ``constrain_verify_logits``) and
         reports logprobs in vLLM's default mode (raw logprobs). Bad words,
-        min_tokens, logprobs in the other modes and structured outputs are
+        logprobs in the other modes and structured outputs are
         refused rather than run wrong, and so are logit bias and min_p, which
         vLLM itself refuses with speculative decoding."""
         if not self.speculates:
@@ -112,7 +112,6 @@ class RequestLimits:
             name
             for name, is_set in (
                 ("bad_words", getattr(params, "bad_words", None)),
-                ("min_tokens", getattr(params, "min_tokens", 0)),
                 (
                     "logprobs",
                     getattr(params, "logprobs", None) is not None
@@ -129,7 +128,8 @@ class RequestLimits:
         return (
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
             "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
-            "penalties, allowed_token_ids, logprobs and prompt_logprobs can)"
+            "penalties, allowed_token_ids, min_tokens, logprobs and "
+            "prompt_logprobs can)"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

@@ -94,6 +94,9 @@ class StepUpdate:
     scheduled_num_tokens: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.int64)
     )
+    # With speculation: (row, min_tokens, stop token ids) of the rows whose
+    # request sets min_tokens (a verify step masks the stops per query).
+    min_tokens: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 class HostRequestState:
@@ -203,6 +206,11 @@ class HostRequestState:
                 dtype=np.int64,
                 count=len(req_ids),
             )
+            for row, req_id in enumerate(req_ids):
+                params = self.requests[req_id].sampling_params
+                if params is not None and params.min_tokens:
+                    stops = tuple(sorted(params.all_stop_token_ids))
+                    update.min_tokens.append((row, params.min_tokens, stops))
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update

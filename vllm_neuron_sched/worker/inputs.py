@@ -126,11 +126,13 @@ def build_step_inputs(
     scheduled_drafts: dict[str, list[int]] | None = None,
     num_spec_tokens: int = 0,
     scheduled_num_tokens: np.ndarray | None = None,
+    min_tokens: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> StepInputs:
     """Inputs for the rows of ``batch`` (already updated for this step).
     ``scheduled_drafts``: the scheduler's drafts per request, given when the
     engine speculates (``num_spec_tokens`` per verify row), with each row's
-    tokens as the scheduler counts them (``StepUpdate``)."""
+    tokens as the scheduler counts them and the rows that set min_tokens
+    (``StepUpdate``)."""
     num_reqs = batch.num_reqs
     req_ids = list(batch.req_ids)
     num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int32)
@@ -159,6 +161,7 @@ def build_step_inputs(
             buckets.pad_decode(num_reqs),
             num_spec_tokens,
             attn_groups,
+            min_tokens or [],
         )
         return _verify_inputs(req_ids, num_scheduled, num_computed, token_slots, plan)
     if speculates and shape is BatchShape.MIXED:

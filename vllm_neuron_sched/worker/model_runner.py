@@ -375,6 +375,7 @@ class NeuronSchedModelRunner:
                 None if spec is None else scheduler_output.scheduled_spec_decode_tokens,
                 0 if spec is None else spec.num_tokens,
                 update.scheduled_num_tokens,
+                update.min_tokens,
             )
 
         inputs = build()

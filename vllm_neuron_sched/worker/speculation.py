@@ -28,6 +28,8 @@ import torch
 from vllm.model_executor.layers.utils import apply_penalties
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 
@@ -177,6 +179,8 @@ class VerifyPlan:
     # Per attention group: the group, its [num_rows_padded, blocks] table
     # (padded rows and columns: the null block 0) and its block size.
     tables: "list[tuple[AttentionGroup, torch.Tensor, int]]"
+    # (row, min_tokens, stop token ids) of the rows that set min_tokens.
+    min_tokens: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens_padded(self) -> int:
@@ -190,6 +194,7 @@ def plan_verify(
     num_rows_padded: int,
     num_spec_tokens: int,
     attn_groups: "list[AttentionGroup]",
+    min_tokens: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> VerifyPlan:
     """Host side, from the scheduler's decisions only. The scheduler's
     ``num_computed_tokens`` may count drafts the device rejected (it plans
@@ -216,6 +221,7 @@ def plan_verify(
             batch.num_prompt_tokens[:num_rows].astype(np.int64)
         ),
         tables=tables,
+        min_tokens=tuple(min_tokens or ()),
     )
 
 
@@ -366,8 +372,9 @@ def constrain_verify_logits(
     tokens: "DeviceTokens",
     metadata: "SamplingMetadata",
 ) -> "tuple[torch.Tensor, SamplingMetadata]":
-    """Device side: the allowed-token masks and the penalties at every query
-    of a verify step, and the metadata left for the sampler (without them).
+    """Device side: the allowed-token masks, min_tokens' stop masks and the
+    penalties at every query of a verify step, and the metadata left for the
+    sampler (without the masks and penalties).
 
     Query ``j`` of a row predicts the token after its ``j`` drafts, so its
     penalties count the row's output so far and those drafts, all read from
@@ -376,15 +383,20 @@ def constrain_verify_logits(
     sampling; vLLM's own rejection sampler counts the drafts the same way."""
     width = plan.width
     mask = metadata.allowed_token_ids_mask
-    if metadata.no_penalties and mask is None:
+    if metadata.no_penalties and mask is None and not plan.min_tokens:
         return logits, metadata
     logits = logits.clone()
     rows, vocab = plan.num_rows, logits.shape[1]
+    lengths = tokens.lengths[plan.slots]
     if mask is not None:
         logits.masked_fill_(mask[:rows].repeat_interleave(width, 0), float("-inf"))
+    # min_tokens: query j follows the row's outputs and j drafts.
+    num_outputs = (lengths - plan.prompt_lens).tolist()
+    for row, wanted, stops in plan.min_tokens:
+        for j in range(min(width, max(0, wanted - num_outputs[row]))):
+            logits[row * width + j, list(stops)] = float("-inf")
     if not metadata.no_penalties:
         assert metadata.prompt_token_ids is not None
-        lengths = tokens.lengths[plan.slots]
         span = int(lengths.max()) + width - 1
         history = tokens.history[plan.slots, :span].long()
         if width > 1:
@@ -406,7 +418,21 @@ def constrain_verify_logits(
             metadata.frequency_penalties[:rows].repeat_interleave(width),
             metadata.repetition_penalties[:rows].repeat_interleave(width),
         )
-    return logits, replace(metadata, no_penalties=True, allowed_token_ids_mask=None)
+    # The sampler (the bonus tokens) must not apply them again; vLLM's
+    # min_tokens processor would mask by the host's count, not the query's.
+    processors = LogitsProcessors()
+    processors.argmax_invariant = list(metadata.logitsprocs.argmax_invariant)
+    processors.non_argmax_invariant = [
+        p
+        for p in metadata.logitsprocs.non_argmax_invariant
+        if not isinstance(p, MinTokensLogitsProcessor)
+    ]
+    return logits, replace(
+        metadata,
+        no_penalties=True,
+        allowed_token_ids_mask=None,
+        logitsprocs=processors,
+    )
 
 
 def verify_logprobs(
