@@ -62,8 +62,8 @@ def _prompts(target: str, draft: str, agree: bool) -> list[list[int]]:
 
 
 def _all_prompts(target: str, draft: str) -> list[list[int]]:
-    """Four prompts of known walks, then three with penalties, allowed tokens
-    and min_tokens (``_params``)."""
+    """Four prompts of known walks, then four with penalties, allowed tokens,
+    min_tokens and bad words (``_params``)."""
     agreeing, reversed_ = _prompts(target, draft, True), _prompts(target, draft, False)
     return [
         agreeing[0],
@@ -71,7 +71,7 @@ def _all_prompts(target: str, draft: str) -> list[list[int]]:
         agreeing[1],
         reversed_[1],
         *agreeing,
-        agreeing[0],
+        *agreeing,
     ]
 
 
@@ -95,18 +95,33 @@ def _params(target: str, draft: str) -> list[dict[str, Any]]:
     params.append(
         {
             **greedy,
-            "repetition_penalty": 1.5,
-            "presence_penalty": 0.5,
-            "frequency_penalty": 0.3,
+            "repetition_penalty": 20.0,
+            "presence_penalty": 2.0,
+            "frequency_penalty": 2.0,
         }
     )
     walk = _walk(target, prompts[5], 24)
-    params.append({**greedy, "allowed_token_ids": sorted(set(walk[1::2]) | {7, 8, 9})})
+    params.append({**greedy, "allowed_token_ids": sorted({*walk[:3], 7, 8, 9})})
     # The walk's second token stops the request, but not before six tokens:
     # masked at the verify queries that would come sooner.
     walk = _walk(target, prompts[6], 24)
     params.append({**greedy, "stop_token_ids": [walk[1]], "min_tokens": 6})
+    # A bad word: a token of the walk, as text (vLLM tokenizes it again).
+    params.append({**greedy, "bad_words": [_bad_word(target, prompts[7])]})
     return params
+
+
+def _bad_word(target: str, prompt: list[int]) -> str:
+    """The text of the first token of the prompt's walk (after the first)
+    that the tokenizer gives back as that one token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for token in _walk(target, prompt, 24)[1:]:
+        text = tokenizer.decode([token])
+        if tokenizer.encode(text, add_special_tokens=False) == [token]:
+            return text
+    raise AssertionError("no token of the walk survives decoding")
 
 
 def _stock(target: str, draft: str) -> Any:
@@ -177,7 +192,7 @@ def test_greedy_tokens_equal_stock_without_speculation(
     stock_tokens = [r["token_ids"] for r in stock]
     assert stock_tokens[:4] == [walks[0][:STOP_AT], *walks[1:]]
     # Penalties and allowed tokens moved stock off the walk.
-    for request in (4, 5, 6):
+    for request in (4, 5, 6, 7):
         assert stock_tokens[request] != _walk(target, prompts[request], 24)
     ours = results["records"]
     assert [r["token_ids"] for r in ours] == stock_tokens

@@ -208,11 +208,16 @@ def test_unsupported_sampling_is_refused(engine: tuple[str, Any]) -> None:
     """At the API when no engine of the process could run it (a 400 in the
     server), else by the engine: finished with an error, no tokens."""
     _, llm = engine
-    params = {"max_tokens": 4, "bad_words": ["the"]}
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = {
+        "max_tokens": 4,
+        "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
+    }
     try:
         records = generate(llm, [[11, 12, 13]], params)
     except ValueError as error:
-        assert "bad_words" in str(error) and "speculative" in str(error)
+        assert "structured_outputs" in str(error) and "speculative" in str(error)
     else:  # another engine alive in this process takes such requests
         assert (records[0]["finish_reason"], records[0]["token_ids"]) == ("error", [])
     # The engine serves the next request.

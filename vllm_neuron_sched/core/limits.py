@@ -100,18 +100,17 @@ class RequestLimits:
         """Why these sampling parameters cannot run on this engine, or None.
 
         With speculative decoding the verify step samples greedy, temperature,
-        top-k, top-p, seeds, penalties, allowed tokens and min_tokens
-        (``speculation.rejection_sample``, ``constrain_verify_logits``) and
-        reports logprobs in vLLM's default mode (raw logprobs). Bad words,
-        logprobs in the other modes and structured outputs are
-        refused rather than run wrong, and so are logit bias and min_p, which
-        vLLM itself refuses with speculative decoding."""
+        top-k, top-p, seeds, penalties, allowed tokens, min_tokens and bad
+        words (``speculation.rejection_sample``, ``constrain_verify_logits``)
+        and reports logprobs in vLLM's default mode (raw logprobs). Logprobs in
+        the other modes and structured outputs are refused rather than run
+        wrong, and so are logit bias and min_p, which vLLM itself refuses with
+        speculative decoding."""
         if not self.speculates:
             return None
         unsupported = [
             name
             for name, is_set in (
-                ("bad_words", getattr(params, "bad_words", None)),
                 (
                     "logprobs",
                     getattr(params, "logprobs", None) is not None
@@ -128,7 +127,7 @@ class RequestLimits:
         return (
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
             "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
-            "penalties, allowed_token_ids, min_tokens, logprobs and "
+            "penalties, allowed_token_ids, min_tokens, bad_words, logprobs and "
             "prompt_logprobs can)"
         )
 

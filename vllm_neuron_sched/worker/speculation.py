@@ -30,6 +30,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 
@@ -372,18 +373,19 @@ def constrain_verify_logits(
     tokens: "DeviceTokens",
     metadata: "SamplingMetadata",
 ) -> "tuple[torch.Tensor, SamplingMetadata]":
-    """Device side: the allowed-token masks, min_tokens' stop masks and the
-    penalties at every query of a verify step, and the metadata left for the
-    sampler (without the masks and penalties).
+    """Device side: the allowed-token masks, min_tokens' stop masks, bad words
+    and the penalties at every query of a verify step, and the metadata left
+    for the sampler (without them).
 
     Query ``j`` of a row predicts the token after its ``j`` drafts, so its
-    penalties count the row's output so far and those drafts, all read from
+    constraints see the row's output so far and those drafts, all read from
     the device history: under async scheduling the host's lists still hold
     placeholders. vLLM's ``apply_penalties`` does the arithmetic, as in stock
     sampling; vLLM's own rejection sampler counts the drafts the same way."""
     width = plan.width
     mask = metadata.allowed_token_ids_mask
-    if metadata.no_penalties and mask is None and not plan.min_tokens:
+    bad_words = metadata.bad_words_token_ids
+    if metadata.no_penalties and mask is None and not plan.min_tokens and not bad_words:
         return logits, metadata
     logits = logits.clone()
     rows, vocab = plan.num_rows, logits.shape[1]
@@ -395,6 +397,19 @@ def constrain_verify_logits(
     for row, wanted, stops in plan.min_tokens:
         for j in range(min(width, max(0, wanted - num_outputs[row]))):
             logits[row * width + j, list(stops)] = float("-inf")
+    if bad_words:
+        # vLLM's rule per query, over the row's outputs and the query's drafts.
+        queries: dict[int, list[list[int]]] = {}
+        pasts: list[list[int]] = [[] for _ in range(rows * width)]
+        for row, words in bad_words.items():
+            slot = int(plan.slots[row])
+            start, end = int(plan.prompt_lens[row]), int(lengths[row])
+            outputs = tokens.history[slot, start:end].tolist()
+            drafts = tokens.drafts[slot, : width - 1].tolist()
+            for j in range(width):
+                queries[row * width + j] = words
+                pasts[row * width + j] = outputs + drafts[:j]
+        apply_bad_words(logits, queries, pasts)
     if not metadata.no_penalties:
         assert metadata.prompt_token_ids is not None
         span = int(lengths.max()) + width - 1
@@ -431,6 +446,7 @@ def constrain_verify_logits(
         metadata,
         no_penalties=True,
         allowed_token_ids_mask=None,
+        bad_words_token_ids={},
         logitsprocs=processors,
     )
 

@@ -42,18 +42,17 @@ def test_draft_model_reserves_its_lookahead(checkpoints: tuple[str, str]) -> Non
     assert RequestLimits.from_config(config).spec_lookahead == 3 * K
 
 
-def test_draft_on_other_tp_ranks_is_refused(
-    checkpoints: tuple[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_draft_on_other_tp_ranks_is_refused(checkpoints: tuple[str, str]) -> None:
+    """A draft with one rank under a target with two (vLLM allows 1 or the
+    target's): its forwards would run on rank 0 alone."""
     target, draft = checkpoints
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    speculative = {
-        "method": "draft_model",
-        "model": draft,
-        "draft_tensor_parallel_size": 1,
-    }
+    speculative = {"method": "draft_model", "model": draft}
+    config = _config(target, speculative)
+    # The target's TP=2 set after the config check, which would also ask
+    # this machine for two workers' thread binding.
+    config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(ValueError, match="'draft_tensor_parallel_size' must be 2"):
-        _config(target, speculative, tensor_parallel_size=2)
+        Speculation.from_config(config)
 
 
 def test_a_scheduler_that_mixes_is_refused(checkpoints: tuple[str, str]) -> None:
