@@ -107,6 +107,8 @@ class DraftModel:
         self._run(input_ids, positions, draft_inputs, slot_mapping, num_tokens_padded)
 
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
+        """K greedy drafts per row: the ingest of what the row just added,
+        then K - 1 single-query forwards (module docstring)."""
         rows, width = accepted.tokens.shape
         num_rows = self.buckets.pad_decode(rows)
         counts = accepted.counts
