@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.compilation.backends import set_model_tag
 from vllm.config.utils import replace
-from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 
-from vllm_neuron_sched.worker.inputs import build_attention_metadata
+from vllm_neuron_sched.worker.inputs import run_model
 from vllm_neuron_sched.worker.kv_cache import DRAFT_PREFIX
 from vllm_neuron_sched.worker.speculation import (
     AcceptedTokens,
@@ -106,6 +105,26 @@ class DraftModel:
         }
         self._run(input_ids, positions, draft_inputs, slot_mapping, num_tokens_padded)
 
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
+        slot_mapping: dict[str, torch.Tensor],
+        num_tokens_padded: int,
+    ) -> torch.Tensor:
+        # Padded queries may reach past the model's positions (they write no
+        # KV and nothing reads their output).
+        return run_model(
+            self.model,
+            self.vllm_config,
+            input_ids,
+            positions.clamp(max=self.max_model_len - 1),
+            attn_inputs,
+            slot_mapping,
+            num_tokens_padded,
+        )
+
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
         """K greedy drafts per row: the ingest of what the row just added,
         then K - 1 single-query forwards (module docstring)."""
@@ -156,24 +175,3 @@ class DraftModel:
             ids.flatten(), positions.flatten(), attn_inputs, slot_mapping, ids.numel()
         )
         return self.model.compute_logits(hidden_states[select]).argmax(dim=-1)
-
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
-        slot_mapping: dict[str, torch.Tensor],
-        num_tokens_padded: int,
-    ) -> torch.Tensor:
-        with set_forward_context(
-            build_attention_metadata(attn_inputs),
-            self.vllm_config,
-            num_tokens=num_tokens_padded,
-            slot_mapping=slot_mapping,
-        ):
-            # Padded queries may reach past the model's positions (they write
-            # no KV and nothing reads their output).
-            return self.model(
-                input_ids=input_ids,
-                positions=positions.clamp(max=self.max_model_len - 1),
-            )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
@@ -38,6 +39,7 @@ from vllm_neuron_sched.worker.token_table import (
 )
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -371,3 +373,24 @@ def build_attention_metadata(
         for layer_name in group.layer_names:
             attn_metadata[layer_name] = metadata
     return attn_metadata
+
+
+def run_model(
+    model: Any,
+    vllm_config: "VllmConfig",
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
+    slot_mapping: dict[str, torch.Tensor],
+    num_tokens_padded: int,
+) -> torch.Tensor:
+    """Device side: ``model`` (the target or a draft) at the step's padded
+    shape, its attention metadata built here (section 11: never on the
+    host)."""
+    with set_forward_context(
+        build_attention_metadata(attn_inputs),
+        vllm_config,
+        num_tokens=num_tokens_padded,
+        slot_mapping=slot_mapping,
+    ):
+        return model(input_ids=input_ids, positions=positions)

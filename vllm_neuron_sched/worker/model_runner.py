@@ -64,8 +64,8 @@ from vllm_neuron_sched.worker.host_state import (
 )
 from vllm_neuron_sched.worker.inputs import (
     StepInputs,
-    build_attention_metadata,
     build_step_inputs,
+    run_model,
 )
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
@@ -433,8 +433,14 @@ class NeuronSchedModelRunner:
             if history_writes is not None:
                 slots, token_positions, token_index = history_writes
                 self.token_table.record(slots, token_positions, input_ids[token_index])
-            hidden_states = self._run_model(
-                input_ids, positions, attn_inputs, slot_mapping, num_tokens_padded
+            hidden_states = run_model(
+                self.model,
+                self.vllm_config,
+                input_ids,
+                positions,
+                attn_inputs,
+                slot_mapping,
+                num_tokens_padded,
             )
             if self.draft is not None:
                 self.draft.prefill(input_ids, positions, attn_inputs, num_tokens_padded)
@@ -458,7 +464,9 @@ class NeuronSchedModelRunner:
         row's queries."""
         with torch.inference_mode():
             inputs = complete_on_device(plan, self.token_table)
-            hidden_states = self._run_model(
+            hidden_states = run_model(
+                self.model,
+                self.vllm_config,
                 inputs.input_ids,
                 # Queries past a row's drafts may reach past the model's
                 # positions; they write no KV and nothing reads their output.
@@ -473,24 +481,6 @@ class NeuronSchedModelRunner:
                 "num_drafts": inputs.num_drafts,
                 "starts": inputs.starts,
             }
-
-    def _run_model(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_inputs: list[tuple[Any, Any]],
-        slot_mapping: dict[str, torch.Tensor],
-        num_tokens_padded: int,
-    ) -> torch.Tensor:
-        """Device side: the model at the step's padded shape, its attention
-        metadata built here (section 11: never on the host)."""
-        with set_forward_context(
-            build_attention_metadata(attn_inputs),
-            self.vllm_config,
-            num_tokens=num_tokens_padded,
-            slot_mapping=slot_mapping,
-        ):
-            return self.model(input_ids=input_ids, positions=positions)
 
     def _dummy_forward(self, num_tokens: int) -> None:
         models = [self.model] + ([] if self.draft is None else [self.draft.model])

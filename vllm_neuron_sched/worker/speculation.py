@@ -7,9 +7,9 @@ runs ``1 + K`` queries, its newest token and K drafts, at the static shape
 scheduler gave no row a draft runs at ``[bucket, 1]``). Everything the step
 needs beyond the block table comes from the device's per-slot state
 (``DeviceTokens``): the newest token, the drafts, the number of tokens known
-(so the positions and KV slots), because under
-async scheduling the step before has not told the host, or the scheduler,
-how many of its drafts were accepted. vLLM's scheduler plans with the
+(so the positions and KV slots), because under async scheduling the step
+before has not told the host, or the scheduler, how many of its drafts were
+accepted. vLLM's scheduler plans with the
 optimistic count (all drafts accepted) and corrects it when the output lands;
 the device always knows the true one.
 
@@ -177,9 +177,9 @@ class VerifyPlan:
     slots: torch.Tensor  # [num_rows] int64 token slots
     scheduled_drafts: torch.Tensor  # [num_rows] int64
     prompt_lens: torch.Tensor  # [num_rows] int64 (penalties count what follows)
-    # Per attention group: the group, its [num_rows_padded, blocks] table
-    # (padded rows and columns: the null block 0) and its block size.
-    tables: "list[tuple[AttentionGroup, torch.Tensor, int]]"
+    # Per attention group: the group and its rows' [num_rows, blocks] block
+    # table (the device pads it to the step: ``rectangular_attention``).
+    tables: "list[tuple[AttentionGroup, torch.Tensor]]"
     # (row, min_tokens, stop token ids) of the rows that set min_tokens.
     min_tokens: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
@@ -197,21 +197,23 @@ def plan_verify(
     attn_groups: "list[AttentionGroup]",
     min_tokens: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> VerifyPlan:
-    """Host side, from the scheduler's decisions only. The scheduler's
-    ``num_computed_tokens`` may count drafts the device rejected (it plans
-    optimistically), so it serves as an upper bound: for the block tables'
-    width, never for a position."""
+    """Host side, from the scheduler's decisions only: no position, since the
+    scheduler's ``num_computed_tokens`` may count drafts the device rejected
+    (it plans optimistically). The block tables are copies: the input batch
+    changes while the device runs."""
     num_rows = batch.num_reqs
     width = 1 + num_spec_tokens if scheduled_drafts.any() else 1
-    bound = int(batch.num_computed_tokens_cpu[:num_rows].max()) + width
-    tables = []
-    for group in attn_groups:
-        block_table = batch.block_table[group.kv_cache_group_id]
-        table_np = block_table.get_numpy_array()
-        columns = max(table_np.shape[1], -(-bound // block_table.block_size))
-        table = np.zeros((num_rows_padded, columns), dtype=np.int32)
-        table[:num_rows, : table_np.shape[1]] = table_np[:num_rows]
-        tables.append((group, torch.from_numpy(table), block_table.block_size))
+    tables = [
+        (
+            group,
+            torch.from_numpy(
+                batch.block_table[group.kv_cache_group_id]
+                .get_numpy_array()[:num_rows]
+                .copy()
+            ),
+        )
+        for group in attn_groups
+    ]
     return VerifyPlan(
         width=width,
         num_rows=num_rows,
@@ -254,9 +256,7 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
     positions[:rows] += (lengths - 1)[:, None]
     is_real = torch.zeros((plan.num_rows_padded, width), dtype=torch.bool)
     is_real[:rows] = positions[:rows] - (lengths - 1)[:, None] <= num_drafts[:, None]
-    attn_inputs, slot_mapping = rectangular_attention(
-        positions, is_real, [(g, t) for g, t, _ in plan.tables]
-    )
+    attn_inputs, slot_mapping = rectangular_attention(positions, is_real, plan.tables)
     return VerifyInputs(
         input_ids=ids.flatten(),
         positions=positions.flatten(),
@@ -355,7 +355,7 @@ def verify_on_device(
                 forward["starts"],
                 sampled,
                 accepted,
-                {group.kv_cache_group_id: table for group, table, _ in plan.tables},
+                {group.kv_cache_group_id: table for group, table in plan.tables},
             ),
         )
         return {
