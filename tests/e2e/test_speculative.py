@@ -12,6 +12,7 @@ device: no host wait, no fallback.
 """
 
 import random
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,10 +100,38 @@ def _stock(checkpoint: str, speculative: bool) -> Any:
     )
 
 
+def _structured(checkpoint: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Two requests on the first prompt, whose drafts the model accepts: a
+    choice of the walk's first 10 tokens (every draft past them breaks the
+    grammar, which then only takes EOS), and a regex that forbids the walk's
+    seventh token (its draft is invalid there) and lets the walk resume."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    walk = _walk(checkpoint)
+    choice = tokenizer.decode(walk[:10])
+    regex = re.escape(tokenizer.decode(walk[:6])) + r" [a-z]+( [a-z]+)*"
+    prompt = _prompts(checkpoint)[0]
+    params = [
+        {"max_tokens": 16, "structured_outputs": {"choice": [choice]}},
+        {"max_tokens": 24, "structured_outputs": {"regex": regex}},
+    ]
+    params = [{"temperature": 0.0, **p} for p in params]
+    return [prompt, prompt], params
+
+
+def _stock_structured(checkpoint: str) -> Any:
+    """Stock vLLM CPU without speculation."""
+    return start_in_subprocess(
+        checkpoint, *_structured(checkpoint), ENGINE, env=STOCK_ENV
+    )
+
+
 @pytest.fixture(scope="module", autouse=True)
 def stock_runs(checkpoint: str) -> None:
-    """The stock child starts with the module, while our engines start."""
+    """The stock children start with the module, while our engines start."""
     _stock(checkpoint, speculative=True)
+    _stock_structured(checkpoint)
 
 
 # name -> (engine keywords, environment of its workers)
@@ -204,27 +233,6 @@ def test_async_verify_steps_are_fed_from_the_device(results: dict[str, Any]) -> 
     assert counters["num_draft_tokens"] == K * counters["num_drafts"]
 
 
-def test_unsupported_sampling_is_refused(engine: tuple[str, Any]) -> None:
-    """At the API when no engine of the process could run it (a 400 in the
-    server), else by the engine: finished with an error, no tokens."""
-    _, llm = engine
-    from vllm.sampling_params import StructuredOutputsParams
-
-    params = {
-        "max_tokens": 4,
-        "structured_outputs": StructuredOutputsParams(choice=["yes", "no"]),
-    }
-    try:
-        records = generate(llm, [[11, 12, 13]], params)
-    except ValueError as error:
-        assert "structured_outputs" in str(error) and "speculative" in str(error)
-    else:  # another engine alive in this process takes such requests
-        assert (records[0]["finish_reason"], records[0]["token_ids"]) == ("error", [])
-    # The engine serves the next request.
-    out = generate(llm, [[11, 12, 13]], {"temperature": 0.0, "max_tokens": 4})
-    assert len(out[0]["token_ids"]) == 4
-
-
 def test_seeded_sampling_reproduces(engine: tuple[str, Any], checkpoint: str) -> None:
     """Temperature, top-k and top-p go through the rejection sampler's random
     path; a seed gives the same tokens again, and alone as in a batch."""
@@ -243,3 +251,28 @@ def test_seeded_sampling_reproduces(engine: tuple[str, Any], checkpoint: str) ->
     assert [r["token_ids"] for r in first] == [r["token_ids"] for r in again]
     assert alone[0]["token_ids"] == first[0]["token_ids"]
     assert all(len(r["token_ids"]) == 20 for r in first)
+
+
+def test_structured_outputs_equal_stock_without_speculation(
+    engine: tuple[str, Any], checkpoint: str
+) -> None:
+    """The grammar's masks at every query of a verify step, and only drafts
+    it has checked accepted: under async scheduling the engine reads the
+    drafts back (``take_draft_token_ids``) once the step before has landed."""
+    name, llm = engine
+    prompts, params = _structured(checkpoint)
+    before = spec_decode_counters(llm)
+    ours = generate(llm, prompts, params)
+    after = spec_decode_counters(llm)
+    stock = _stock_structured(checkpoint).result()
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
+    assert [r["finish_reason"] for r in ours] == [r["finish_reason"] for r in stock]
+    # The grammars shaped the output: the choice whole, then EOS; the regex
+    # off the walk at its seventh token.
+    choice = params[0]["structured_outputs"]["choice"][0]
+    assert (ours[0]["text"], ours[0]["finish_reason"]) == (choice, "stop")
+    assert re.fullmatch(params[1]["structured_outputs"]["regex"], ours[1]["text"])
+    walk = _walk(checkpoint)
+    assert ours[1]["token_ids"][:6] == walk[:6] and ours[1]["token_ids"][6] != walk[6]
+    # Drafts inside the grammar were accepted.
+    assert after["num_accepted_tokens"] > before["num_accepted_tokens"], name

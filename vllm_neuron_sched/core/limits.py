@@ -100,12 +100,12 @@ class RequestLimits:
         """Why these sampling parameters cannot run on this engine, or None.
 
         With speculative decoding the verify step samples greedy, temperature,
-        top-k, top-p, seeds, penalties, allowed tokens, min_tokens and bad
-        words (``speculation.rejection_sample``, ``constrain_verify_logits``)
-        and reports logprobs in vLLM's default mode (raw logprobs). Logprobs in
-        the other modes and structured outputs are refused rather than run
-        wrong, and so are logit bias and min_p, which vLLM itself refuses with
-        speculative decoding."""
+        top-k, top-p, seeds, penalties, allowed tokens, min_tokens, bad words
+        and structured outputs (``speculation.rejection_sample``,
+        ``constrain_verify_logits``, ``plan_grammar``) and reports logprobs in
+        vLLM's default mode (raw logprobs). Logprobs in the other modes are
+        refused rather than run wrong, and so are logit bias and min_p, which
+        vLLM itself refuses with speculative decoding."""
         if not self.speculates:
             return None
         unsupported = [
@@ -118,7 +118,6 @@ class RequestLimits:
                 ),
                 ("logit_bias", getattr(params, "logit_bias", None)),
                 ("min_p", getattr(params, "min_p", 0.0)),
-                ("structured_outputs", getattr(params, "structured_outputs", None)),
             )
             if is_set
         ]
@@ -127,8 +126,8 @@ class RequestLimits:
         return (
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
             "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
-            "penalties, allowed_token_ids, min_tokens, bad_words, logprobs and "
-            "prompt_logprobs can)"
+            "penalties, allowed_token_ids, min_tokens, bad_words, "
+            "structured_outputs, logprobs and prompt_logprobs can)"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

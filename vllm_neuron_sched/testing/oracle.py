@@ -130,13 +130,23 @@ def start_greedy_tokens(
 
 
 def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]:
-    """``llm.generate`` with keyword-argument sampling params, as JSON records."""
+    """``llm.generate`` with keyword-argument sampling params, as JSON records.
+    ``structured_outputs`` may be given as the keywords of vLLM's
+    ``StructuredOutputsParams`` (JSON, so a child process can take it)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def make(keywords: dict[str, Any]) -> SamplingParams:
+        structured = keywords.get("structured_outputs")
+        if isinstance(structured, dict):
+            structured = StructuredOutputsParams(**structured)
+            keywords = {**keywords, "structured_outputs": structured}
+        return SamplingParams(**keywords)
 
     if isinstance(sampling, list):
-        params = [SamplingParams(**s) for s in sampling]
+        params = [make(s) for s in sampling]
     else:
-        params = SamplingParams(**sampling)
+        params = make(sampling)
     if prompts and isinstance(prompts[0], list):
         prompts = [{"prompt_token_ids": p} for p in prompts]
     return [as_record(out) for out in llm.generate(prompts, params, use_tqdm=False)]

@@ -54,6 +54,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import finishes_failed_requests
+from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.draft_model import DraftModel
@@ -153,8 +154,9 @@ class NeuronSchedModelRunner:
                 self.proposer = self.draft
             else:
                 self.proposer = NgramProposer(self.speculation)
-        # Sync scheduling: the drafts of the last step, for the scheduler.
-        self._drafts: DraftTokenIds | None = None
+        # The newest sampling step's output, whose drafts the scheduler may
+        # ask for (``take_draft_token_ids``).
+        self._drafted: Materializer[ModelRunnerOutput] | None = None
         self.tp_rank = tp_group.rank_in_group
         self.device = device
         # Our schedulers finish a failed step's requests and serve the
@@ -257,11 +259,23 @@ class NeuronSchedModelRunner:
         self.max_model_len = max_model_len
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """Sync scheduling with speculation: the last step's drafts (they
-        came back with its output). Async scheduling never asks: the drafts
-        stay on the device, the scheduler only counts them."""
-        drafts, self._drafts = self._drafts, None
-        return drafts
+        """The newest sampling step's drafts, which came back with its output.
+        Sync scheduling asks after every step. Async scheduling asks only to
+        check the drafts of structured-output requests against their grammar,
+        once the engine has read that step's output (so this waits for
+        nothing); otherwise the drafts stay on the device and the scheduler
+        only counts them. Only the output rank answers."""
+        output, self._drafted = self._drafted, None
+        if output is None or self.tp_rank != 0:
+            return None
+        step_output = output.get()
+        if not isinstance(step_output, DraftedOutput):
+            return None  # a failed step
+        # Copies: the scheduler trims them in place.
+        return DraftTokenIds(
+            list(step_output.req_ids),
+            [list(drafts) for drafts in step_output.draft_token_ids],
+        )
 
     def reset_mm_cache(self) -> None:
         pass
@@ -352,10 +366,8 @@ class NeuronSchedModelRunner:
             placeholders = self.host.add_placeholders(inputs)
             step = InFlightStep(self.flow.step, result, output, placeholders)
             step_output = self.flow.end_step(step, inputs.shape, inputs.num_table_rows)
-            if isinstance(step_output, DraftedOutput):
-                self._drafts = DraftTokenIds(
-                    step_output.req_ids, step_output.draft_token_ids
-                )
+            if self.speculation is not None:
+                self._drafted = output
             return step_output
 
     # ---- the step pipeline --------------------------------------------------

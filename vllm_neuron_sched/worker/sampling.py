@@ -34,6 +34,7 @@ from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
 from vllm_neuron_sched.worker.speculation import (
     Proposer,
     after_prompt_sampling,
+    plan_grammar,
     verify_on_device,
 )
 
@@ -233,6 +234,14 @@ def enqueue_sampling(
             logits,
             metadata,
             inputs.verify,
+            None
+            if grammar is None
+            else plan_grammar(
+                grammar[1],
+                list(inputs.req_ids),
+                grammar[0].scheduled_spec_decode_tokens,
+                inputs.verify.width,
+            ),
         )
     elif inputs.has_samples:
         repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
@@ -247,7 +256,7 @@ def enqueue_sampling(
             inputs.sample_slots,
             np.flatnonzero(~inputs.is_sampled).tolist(),
             repairs,
-            None if grammar is None else (*grammar, list(inputs.req_ids)),
+            None if grammar is None else _own_masks(*grammar, inputs.req_ids),
             None
             if proposer is None
             else (proposer, inputs.next_positions, inputs.block_tables()),
@@ -256,6 +265,17 @@ def enqueue_sampling(
         result, inputs.req_ids, inputs.is_sampled, prompt_logprobs, fails_requests_alone
     )
     return result, output
+
+
+def _own_masks(
+    scheduler_output: "SchedulerOutput",
+    grammar_output: "GrammarOutput",
+    req_ids: Sequence[str],
+) -> "tuple[SchedulerOutput, GrammarOutput, list[str]]":
+    """The grammar's masks as this step's own copy: the scheduler refills
+    its mask buffer for the next step while this one may still sample."""
+    own = replace(grammar_output, grammar_bitmask=grammar_output.grammar_bitmask.copy())
+    return scheduler_output, own, list(req_ids)
 
 
 def make_output_materializer(

@@ -2,6 +2,7 @@
 greedy rows keep vLLM's rule, random rows leave each output token distributed
 as the target's, and a seed reproduces."""
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -157,3 +158,64 @@ def test_penalties_count_each_querys_drafts() -> None:
                 metadata.repetition_penalties[row : row + 1],
             )
             assert torch.allclose(constrained[row * width + j], expected[0])
+
+
+def _masks(*allowed: list[int]) -> np.ndarray:
+    """One int32 word per mask (VOCAB < 32): bit t set when t is allowed."""
+    return np.array([[sum(1 << t for t in tokens)] for tokens in allowed], np.int32)
+
+
+def _grammar_step(
+    spec_tokens: dict[str, list[int]], masks: np.ndarray, acceptable: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows "a" (structured) and "b" (not), each with both drafts the
+    target's argmax: what the verify step outputs under the grammar."""
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    from vllm_neuron_sched.worker.speculation import (
+        apply_verify_grammar,
+        plan_grammar,
+    )
+
+    logits = _logits(2)
+    argmax = logits.argmax(dim=-1).view(2, WIDTH)
+    grammar = plan_grammar(
+        GrammarOutput(["a"], masks, acceptable), ["a", "b"], spec_tokens, WIDTH
+    )
+    num_drafts = apply_verify_grammar(logits, torch.tensor([2, 2]), grammar)
+    out = rejection_sample(
+        Sampler(), logits, WIDTH, num_drafts, argmax[:, :2].int(), _metadata([0, 0])
+    )
+    return out, argmax
+
+
+def test_the_grammar_masks_each_query_and_stops_at_an_invalid_draft() -> None:
+    """Sync scheduling: the scheduler read the drafts back, found the second
+    one invalid and scheduled one; mask j is the grammar after j drafts."""
+    logits = _logits(2)
+    argmax = logits.argmax(dim=-1).view(2, WIDTH)
+    second = int(argmax[0, 1])
+    allowed = [t for t in range(VOCAB) if t != second]
+    out, argmax = _grammar_step(
+        {"a": [int(argmax[0, 0])], "b": [1, 2]},
+        _masks(list(range(VOCAB)), allowed),
+        [1],
+    )
+    query_1 = _logits(2)[1]
+    query_1[second] = float("-inf")
+    # Row a: the valid draft, then the grammar's choice at query 1.
+    assert out[0].tolist() == [argmax[0, 0], query_1.argmax(), REJECTED]
+    assert out[1].tolist() == argmax[1].tolist()  # row b: unconstrained
+
+
+def test_drafts_the_grammar_did_not_check_are_never_accepted() -> None:
+    """Async scheduling, drafts not read back: the scheduler's placeholders
+    (-1) leave every mask after the first permissive, and no draft may be
+    accepted, though both are the target's argmax."""
+    out, argmax = _grammar_step(
+        {"a": [-1, -1], "b": [-1, -1]},
+        _masks(list(range(VOCAB)), list(range(VOCAB)), list(range(VOCAB))),
+        [0],
+    )
+    assert out[0].tolist() == [argmax[0, 0], REJECTED, REJECTED]
+    assert out[1].tolist() == argmax[1].tolist()

@@ -69,3 +69,27 @@ def test_a_scheduler_that_mixes_is_refused(checkpoints: tuple[str, str]) -> None
                 "num_speculative_tokens": K,
             },
         ).create_engine_config()
+
+
+def test_sampling_the_verify_step_cannot_run_is_refused(
+    checkpoints: tuple[str, str],
+) -> None:
+    """Per request, before it reaches the engine: logprobs in a processed
+    mode (verify steps report the target's raw logprobs); structured outputs
+    and logprobs in vLLM's default mode run."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    target, _ = checkpoints
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    structured = SamplingParams(
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), logprobs=2
+    )
+    default = RequestLimits.from_config(_config(target, ngram))
+    assert default.check_sampling(structured) is None
+    processed = RequestLimits.from_config(
+        _config(target, ngram, logprobs_mode="processed_logprobs")
+    )
+    reason = processed.check_sampling(SamplingParams(logprobs=2))
+    assert reason is not None and reason.startswith("logprobs cannot be used")
+    assert processed.check_sampling(SamplingParams(prompt_logprobs=2)) is None
