@@ -6,7 +6,11 @@ stopped by killing its process group). Four workers share two cores with
 our platform at TP=1 and stock vLLM CPU (``VLLM_NEURON_SCHED_DISABLE=1``);
 the per-rank state must agree across ranks; aborted streams free their
 blocks; bad requests get a 400 while others are served; ``/metrics`` shows
-the async scheduling counters.
+the async scheduling counters. Then a soak with real clients
+(``testing/soak.py``, fewer requests than at TP=1 in ``test_serve_soak.py``),
+and last ``kill -9`` of one TP rank mid-stream: every request in flight gets
+an error, the API server exits within 60 s, no process outlives it (the
+engine core's death is ``test_serve_soak.py``'s).
 """
 
 import asyncio
@@ -29,10 +33,11 @@ from vllm_neuron_sched.testing.server import (
     engine_args,
     greedy_completion,
 )
+from vllm_neuron_sched.testing.soak import run_soak
 from vllm_neuron_sched.testing.workloads import (
-    SERVER_ENGINE,
     SERVER_MAX_TOKENS,
     SERVER_PROMPT_LENGTHS,
+    SOAK_ENGINE,
     STOCK_ENV,
     token_prompts,
 )
@@ -41,7 +46,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TP = 4
 MODEL = SERVED_MODEL
-ENGINE = SERVER_ENGINE
+# The soak's engine (16 sequences); the oracles' run 4, as SERVER_ENGINE's do.
+ENGINE = SOAK_ENGINE
+NUM_SOAK_REQUESTS = 40
 START_TIMEOUT_S = 300
 MAX_TOKENS = SERVER_MAX_TOKENS
 PROMPT_LENGTHS = SERVER_PROMPT_LENGTHS
@@ -275,11 +282,15 @@ async def test_metrics_count_async_steps_and_dead_tokens(
     assert delta("host_waits") == 0
 
 
-async def test_killed_engine_core_fails_requests_and_server_exits(
+async def test_soak_with_real_clients(server: OpenAIServer) -> None:
+    await run_soak(server, NUM_SOAK_REQUESTS, tp=TP)
+
+
+async def test_killed_rank_fails_requests_and_server_exits(
     server: OpenAIServer,
 ) -> None:
     """Last in the module: it ends the module's server."""
-    report = await kill_mid_stream(server, kill_titled("VLLM::EngineCore"))
+    report = await kill_mid_stream(server, kill_titled("VLLM::Worker_TP2"))
     assert all(o.startswith("error") for o in report.outcomes), report
     assert report.outcomes[-1].startswith("error 5"), report  # not streamed
     assert report.exit_s is not None, f"API server hangs\n{server.log_tail()}"

@@ -28,6 +28,8 @@ SERVER_ENGINE: dict[str, Any] = {
     "seed": 0,
     "enforce_eager": True,
 }
+# The soaks' servers (``testing/soak.py``): 16 clients at a time all run.
+SOAK_ENGINE: dict[str, Any] = {**SERVER_ENGINE, "max_num_seqs": 16}
 # Lengths cross a KV block (64 tokens) and differ: requests end at different steps.
 SERVER_PROMPT_LENGTHS = [5, 33, 70, 12]
 SERVER_MAX_TOKENS = 16
