@@ -15,11 +15,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from vllm_neuron_sched.testing.oracle import generate_in_subprocess
+from vllm_neuron_sched.testing.oracle import start_in_subprocess
 from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, greedy, token_prompts
 
 pytestmark = pytest.mark.slow
@@ -49,26 +51,39 @@ def always_move_scratchpad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return library
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_generate_with_a_scratchpad_that_moves_on_every_realloc(
+@pytest.fixture(scope="module")
+def runs(
     checkpoint_dir: str,
     always_move_scratchpad: Path,
-    tmp_path: Path,
-    async_scheduling: bool,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Future[list[dict[str, Any]]], Path]]:
+    """Both engines start at once (each is mostly one core's work): the run
+    and the shim's log, per mode."""
+    runs = {}
+    for mode, async_scheduling in (("sync", False), ("async", True)):
+        log = tmp_path_factory.mktemp(f"scratchpad_{mode}") / "threads.log"
+        run = start_in_subprocess(
+            checkpoint_dir,
+            token_prompts(PROMPT_LENGTHS, stride=11, salt=7),
+            greedy(MAX_TOKENS),
+            {**SMALL_ENGINE, "async_scheduling": async_scheduling},
+            env={
+                "LD_PRELOAD": str(always_move_scratchpad),
+                "SCRATCHPAD_LOG": str(log),
+                # Two threads share the scratchpad only with a device thread.
+                "VLLM_NEURON_SCHED_DEVICE": "thread",
+            },
+        )
+        runs[mode] = (run, log)
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_generate_with_a_scratchpad_that_moves_on_every_realloc(
+    runs: dict[str, tuple[Future[list[dict[str, Any]]], Path]], mode: str
 ) -> None:
-    log = tmp_path / "scratchpad_threads.log"
-    results = generate_in_subprocess(
-        checkpoint_dir,
-        token_prompts(PROMPT_LENGTHS, stride=11, salt=7),
-        greedy(MAX_TOKENS),
-        {**SMALL_ENGINE, "async_scheduling": async_scheduling},
-        env={
-            "LD_PRELOAD": str(always_move_scratchpad),
-            "SCRATCHPAD_LOG": str(log),
-            # Two threads share the scratchpad only with a device thread.
-            "VLLM_NEURON_SCHED_DEVICE": "thread",
-        },
-    )
+    run, log = runs[mode]
+    results = run.result()
     assert [len(r["token_ids"]) for r in results] == MAX_TOKENS
     # The library was interposed: the worker's scratchpad went through it.
     assert log.exists() and log.read_text().strip(), "the shim was never called"
