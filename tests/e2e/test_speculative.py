@@ -1,5 +1,5 @@
 """Speculative decoding (the n-gram proposer on the device) through
-``LLM.generate``, sync and async, against stock vLLM CPU.
+``LLM.generate``, sync and async at TP=4, against stock vLLM CPU.
 
 The trained repeat checkpoint (``testing/checkpoint.py``) continues a token
 cycle greedily, so the drafts of a repeat prompt are accepted in long runs; a
@@ -8,7 +8,9 @@ gets its first drafts rejected. Greedy tokens must equal stock vLLM CPU's
 *without* speculation, stop tokens inside an accepted run included; in sync
 mode vLLM's acceptance counters must equal stock's with its own (sync) n-gram
 speculation; in async mode the verify steps take their inputs from the
-device: no host wait, no fallback.
+device (no host wait, no fallback, on every rank) and the ranks finish with
+the same tokens. Structured outputs: tokens equal stock's without
+speculation too.
 """
 
 import random
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.checkpoint import (
     ensure_trained_checkpoints,
     repeat_prompt_ids,
@@ -35,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 ENGINE = {**SMALL_ENGINE, "disable_log_stats": False}
 K = 3
+TP = 4
 NGRAM = {"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Budgets that are no multiple of 1 + K, so a run ends inside a verify step.
 MAX_TOKENS = [26, 17, 30, 11]
@@ -143,13 +147,14 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"VLLM_NEURON_SCHED_DEVICE": "thread"},
     ),
     # vLLM's name for the on-device n-gram proposer keeps async scheduling
-    # on. (A TP=4 engine's start on two cores does not fit the CI budget.)
-    "async": (
+    # on; every TP rank proposes the same drafts from its own histories.
+    "async_tp4": (
         {
             "async_scheduling": True,
+            "tensor_parallel_size": TP,
             "speculative_config": {"method": "ngram_gpu", **NGRAM},
         },
-        {},
+        {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(TP)},
     ),
 }
 
@@ -178,6 +183,7 @@ def results(engine: tuple[str, Any], checkpoint: str) -> dict[str, Any]:
         "records": records,
         "counters": spec_decode_counters(llm),
         "stats": llm.collective_rpc("get_async_scheduling_stats"),
+        "ranks": llm.collective_rpc("get_rank_state"),
     }
 
 
@@ -222,12 +228,15 @@ def test_sync_counters_equal_stock(results: dict[str, Any], checkpoint: str) -> 
 
 
 def test_async_verify_steps_are_fed_from_the_device(results: dict[str, Any]) -> None:
-    if results["name"] != "async":
+    if results["name"] != "async_tp4":
         pytest.skip("sync mode reads every step's output before the next")
+    assert len(results["stats"]) == TP
     for stats in results["stats"]:
         assert stats["async_steps"] > 0
         assert stats["sync_fallback_steps"] == 0
         assert stats["host_waits"] == 0
+    # Every rank finished the requests with the same tokens.
+    assert len({rank["finished_digest"] for rank in results["ranks"]}) == 1
     # Every verify step offered K drafts per row, accepted or not.
     counters = results["counters"]
     assert counters["num_draft_tokens"] == K * counters["num_drafts"]
