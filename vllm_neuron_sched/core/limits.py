@@ -46,6 +46,11 @@ def parse_pooling_shapes(
     return tuple(sorted(shapes))
 
 
+# The logprobs modes verify steps report (``speculation.verify_logprobs``):
+# the target's raw distribution, as vLLM's rejection sampler reports it.
+VERIFY_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     max_model_len: int
@@ -64,7 +69,7 @@ class RequestLimits:
     # before, whose rejections the scheduler has not heard of yet, and a draft
     # model's KV past the verify step (vLLM's ``num_lookahead_tokens``).
     spec_lookahead: int = 0
-    # Verify steps report logprobs in vLLM's default mode (raw logprobs).
+    # Verify steps report logprobs in the engine's mode (VERIFY_LOGPROBS_MODES).
     verify_logprobs: bool = True
 
     @classmethod
@@ -93,7 +98,8 @@ class RequestLimits:
             speculates=vllm_config.speculative_config is not None,
             spec_lookahead=depth * vllm_config.num_speculative_tokens
             + vllm_config.num_lookahead_tokens,
-            verify_logprobs=vllm_config.model_config.logprobs_mode == "raw_logprobs",
+            verify_logprobs=vllm_config.model_config.logprobs_mode
+            in VERIFY_LOGPROBS_MODES,
         )
 
     def check_sampling(self, params: object) -> str | None:
@@ -103,7 +109,8 @@ class RequestLimits:
         top-k, top-p, seeds, penalties, allowed tokens, min_tokens, bad words
         and structured outputs (``speculation.rejection_sample``,
         ``constrain_verify_logits``, ``plan_grammar``) and reports logprobs in
-        vLLM's default mode (raw logprobs). Logprobs in the other modes are
+        the raw modes (``raw_logprobs``, vLLM's default, and ``raw_logits``).
+        Logprobs in the processed modes are
         refused rather than run wrong, and so are logit bias and min_p, which
         vLLM itself refuses with speculative decoding."""
         if not self.speculates:
@@ -127,7 +134,8 @@ class RequestLimits:
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
             "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
             "penalties, allowed_token_ids, min_tokens, bad_words, "
-            "structured_outputs, logprobs and prompt_logprobs can)"
+            "structured_outputs, prompt_logprobs, and logprobs with "
+            f"--logprobs-mode {' or '.join(VERIFY_LOGPROBS_MODES)} can)"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

@@ -36,6 +36,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
+from vllm_neuron_sched.core.limits import VERIFY_LOGPROBS_MODES
 from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
@@ -532,10 +533,14 @@ def verify_logprobs(
     vocab]; ``tokens``: [rows, width], what it output, ``REJECTED`` past each
     row's run), each row's ``width`` entries at ``row * width``: the
     scheduler keeps a row's first as many as it output. The target's raw
-    distribution at each output position (logprobs mode ``raw_logprobs``, as
-    vLLM's rejection sampler reports it)."""
+    distribution at each output position, as vLLM's rejection sampler reports
+    it: its logprobs (logprobs mode ``raw_logprobs``) or its logits
+    (``raw_logits``, the sampler's mode)."""
+    assert sampler.logprobs_mode in VERIFY_LOGPROBS_MODES, sampler.logprobs_mode
     rows, width = tokens.shape
-    scores = sampler.compute_logprobs(logits.float())
+    scores = logits.float()
+    if sampler.logprobs_mode == "raw_logprobs":
+        scores = sampler.compute_logprobs(scores)
     ids = tokens.flatten().clamp(min=0).long()
     token_ids, values, ranks, *_ = sampler.gather_logprobs(scores, num_logprobs, ids)
     return LogprobsTensors(

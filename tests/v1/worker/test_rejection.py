@@ -219,3 +219,25 @@ def test_drafts_the_grammar_did_not_check_are_never_accepted() -> None:
     )
     assert out[0].tolist() == [argmax[0, 0], REJECTED, REJECTED]
     assert out[1].tolist() == argmax[1].tolist()
+
+
+def test_verify_logprobs_report_the_engines_raw_mode() -> None:
+    """Each query's raw logprobs, or (``raw_logits``) its raw logits: the
+    token each row output at that query, and the top ones."""
+    from vllm_neuron_sched.worker.speculation import verify_logprobs
+
+    logits = _logits(2)
+    out = torch.tensor([[2, 4, REJECTED], [1, REJECTED, REJECTED]], dtype=torch.int32)
+    for mode, expected in (
+        ("raw_logprobs", logits.log_softmax(dim=-1)),
+        ("raw_logits", logits),
+    ):
+        tensors = verify_logprobs(Sampler(logprobs_mode=mode), logits, out, 2)
+        assert tensors.cu_num_generated_tokens == [0, WIDTH, 2 * WIDTH]
+        queries = [0, 1, 3]  # row 0's two outputs, row 1's one
+        tokens = [2, 4, 1]
+        for query, token in zip(queries, tokens):
+            assert tensors.logprob_token_ids[query, 0] == token
+            assert torch.isclose(tensors.logprobs[query, 0], expected[query, token])
+            top = expected[query].topk(2).values
+            assert torch.allclose(tensors.logprobs[query, 1:], top)

@@ -75,8 +75,8 @@ def test_sampling_the_verify_step_cannot_run_is_refused(
     checkpoints: tuple[str, str],
 ) -> None:
     """Per request, before it reaches the engine: logprobs in a processed
-    mode (verify steps report the target's raw logprobs); structured outputs
-    and logprobs in vLLM's default mode run."""
+    mode (verify steps report the target's raw distribution); structured
+    outputs and logprobs in the raw modes run."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -92,4 +92,9 @@ def test_sampling_the_verify_step_cannot_run_is_refused(
     )
     reason = processed.check_sampling(SamplingParams(logprobs=2))
     assert reason is not None and reason.startswith("logprobs cannot be used")
+    assert "--logprobs-mode raw_logprobs or raw_logits" in reason
     assert processed.check_sampling(SamplingParams(prompt_logprobs=2)) is None
+    logits = RequestLimits.from_config(
+        _config(target, ngram, logprobs_mode="raw_logits")
+    )
+    assert logits.check_sampling(SamplingParams(logprobs=2)) is None
