@@ -46,11 +46,6 @@ def parse_pooling_shapes(
     return tuple(sorted(shapes))
 
 
-# The logprobs modes verify steps report (``speculation.verify_logprobs``):
-# the target's raw distribution, as vLLM's rejection sampler reports it.
-VERIFY_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     max_model_len: int
@@ -69,8 +64,6 @@ class RequestLimits:
     # before, whose rejections the scheduler has not heard of yet, and a draft
     # model's KV past the verify step (vLLM's ``num_lookahead_tokens``).
     spec_lookahead: int = 0
-    # Verify steps report logprobs in the engine's mode (VERIFY_LOGPROBS_MODES).
-    verify_logprobs: bool = True
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -98,8 +91,6 @@ class RequestLimits:
             speculates=vllm_config.speculative_config is not None,
             spec_lookahead=depth * vllm_config.num_speculative_tokens
             + vllm_config.num_lookahead_tokens,
-            verify_logprobs=vllm_config.model_config.logprobs_mode
-            in VERIFY_LOGPROBS_MODES,
         )
 
     def check_sampling(self, params: object) -> str | None:
@@ -109,20 +100,14 @@ class RequestLimits:
         top-k, top-p, seeds, penalties, allowed tokens, min_tokens, bad words
         and structured outputs (``speculation.rejection_sample``,
         ``constrain_verify_logits``, ``plan_grammar``) and reports logprobs in
-        the raw modes (``raw_logprobs``, vLLM's default, and ``raw_logits``).
-        Logprobs in the processed modes are
-        refused rather than run wrong, and so are logit bias and min_p, which
-        vLLM itself refuses with speculative decoding."""
+        every logprobs mode (``verify_logprobs``). Logit bias and min_p, which
+        vLLM itself refuses with speculative decoding, are refused rather than
+        run wrong."""
         if not self.speculates:
             return None
         unsupported = [
             name
             for name, is_set in (
-                (
-                    "logprobs",
-                    getattr(params, "logprobs", None) is not None
-                    and not self.verify_logprobs,
-                ),
                 ("logit_bias", getattr(params, "logit_bias", None)),
                 ("min_p", getattr(params, "min_p", 0.0)),
             )
@@ -132,10 +117,9 @@ class RequestLimits:
             return None
         return (
             f"{', '.join(unsupported)} cannot be used with speculative decoding "
-            "on vllm_neuron_sched yet (temperature, top_k, top_p, seed, "
-            "penalties, allowed_token_ids, min_tokens, bad_words, "
-            "structured_outputs, prompt_logprobs, and logprobs with "
-            f"--logprobs-mode {' or '.join(VERIFY_LOGPROBS_MODES)} can)"
+            "on vllm_neuron_sched (temperature, top_k, top_p, seed, penalties, "
+            "allowed_token_ids, min_tokens, bad_words, structured_outputs, "
+            "logprobs and prompt_logprobs can)"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

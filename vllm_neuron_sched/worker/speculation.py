@@ -36,7 +36,6 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-from vllm_neuron_sched.core.limits import VERIFY_LOGPROBS_MODES
 from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
@@ -62,6 +61,8 @@ DRAFT_MODEL = "draft_model"
 METHODS = (*NGRAM_METHODS, DRAFT_MODEL)
 # Rejected positions in the rejection sampler's output.
 REJECTED = -1
+# A row whose temperature is below this samples greedily (vLLM's threshold).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -416,8 +417,12 @@ def verify_on_device(
         accepted = (sampled != REJECTED).sum(dim=1)
         logprobs = None
         if metadata.max_num_logprobs is not None:
+            processed = sampler.logprobs_mode.startswith("processed")
             logprobs = verify_logprobs(
-                sampler, forward["logits"], sampled, metadata.max_num_logprobs
+                sampler,
+                logits if processed else forward["logits"],
+                sampled,
+                metadata,
             )
         tokens.accept(plan.slots, forward["starts"], sampled, accepted)
         proposer.propose(
@@ -527,22 +532,37 @@ def verify_logprobs(
     sampler: "Sampler",
     logits: torch.Tensor,
     tokens: torch.Tensor,
-    num_logprobs: int,
+    metadata: "SamplingMetadata",
 ) -> LogprobsTensors:
     """Logprobs of every query of a verify step (``logits``: [rows * width,
     vocab]; ``tokens``: [rows, width], what it output, ``REJECTED`` past each
     row's run), each row's ``width`` entries at ``row * width``: the
-    scheduler keeps a row's first as many as it output. The target's raw
-    distribution at each output position, as vLLM's rejection sampler reports
-    it: its logprobs (logprobs mode ``raw_logprobs``) or its logits
-    (``raw_logits``, the sampler's mode)."""
-    assert sampler.logprobs_mode in VERIFY_LOGPROBS_MODES, sampler.logprobs_mode
+    scheduler keeps a row's first as many as it output. As vLLM's rejection
+    sampler reports them, in the sampler's logprobs mode: the raw modes read
+    the target's logits as the forward gave them; the processed modes read
+    them after ``constrain_verify_logits`` (the caller's), then, unless every
+    row is greedy, after temperature (1 for greedy rows), top-k and top-p,
+    at the drafts' queries as at the bonus token's."""
+    mode = sampler.logprobs_mode
     rows, width = tokens.shape
     scores = logits.float()
-    if sampler.logprobs_mode == "raw_logprobs":
+    if mode.startswith("processed") and not metadata.all_greedy:
+        assert metadata.temperature is not None
+        temperature = torch.where(
+            metadata.temperature < GREEDY_TEMPERATURE, 1.0, metadata.temperature
+        )
+        scores = apply_top_k_top_p(
+            scores / temperature.repeat_interleave(width)[:, None].float(),
+            None if metadata.top_k is None else metadata.top_k.repeat_interleave(width),
+            None if metadata.top_p is None else metadata.top_p.repeat_interleave(width),
+        )
+    if mode.endswith("logprobs"):
         scores = sampler.compute_logprobs(scores)
     ids = tokens.flatten().clamp(min=0).long()
-    token_ids, values, ranks, *_ = sampler.gather_logprobs(scores, num_logprobs, ids)
+    assert metadata.max_num_logprobs is not None
+    token_ids, values, ranks, *_ = sampler.gather_logprobs(
+        scores, metadata.max_num_logprobs, ids
+    )
     return LogprobsTensors(
         token_ids,
         values,
@@ -594,7 +614,7 @@ def rejection_sample(
     accept = recovered == draft_ids
     if not metadata.all_greedy:
         row_of = torch.arange(rows).repeat_interleave(num_drafts)
-        is_greedy = (metadata.temperature < 1e-5)[row_of]
+        is_greedy = (metadata.temperature < GREEDY_TEMPERATURE)[row_of]
         temperature = torch.where(is_greedy, 1.0, metadata.temperature[row_of])
         scaled = apply_top_k_top_p(
             target / temperature[:, None].float(),

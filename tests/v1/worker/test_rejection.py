@@ -3,6 +3,7 @@ greedy rows keep vLLM's rule, random rows leave each output token distributed
 as the target's, and a seed reproduces."""
 
 import numpy as np
+import pytest
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -221,23 +222,33 @@ def test_drafts_the_grammar_did_not_check_are_never_accepted() -> None:
     assert out[1].tolist() == argmax[1].tolist()
 
 
-def test_verify_logprobs_report_the_engines_raw_mode() -> None:
-    """Each query's raw logprobs, or (``raw_logits``) its raw logits: the
-    token each row output at that query, and the top ones."""
+@pytest.mark.parametrize(
+    "mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+)
+def test_verify_logprobs_are_vllms_sampler_ones_in_every_mode(mode: str) -> None:
+    """A verify step without drafts (width 1): each row's logprobs are what
+    vLLM's own sampler reports in that logprobs mode, for a batch of a greedy
+    row and a random row with top-k; the token each row output first, then
+    the top ones."""
+    from dataclasses import replace
+
     from vllm_neuron_sched.worker.speculation import verify_logprobs
 
-    logits = _logits(2)
-    out = torch.tensor([[2, 4, REJECTED], [1, REJECTED, REJECTED]], dtype=torch.int32)
-    for mode, expected in (
-        ("raw_logprobs", logits.log_softmax(dim=-1)),
-        ("raw_logits", logits),
-    ):
-        tensors = verify_logprobs(Sampler(logprobs_mode=mode), logits, out, 2)
-        assert tensors.cu_num_generated_tokens == [0, WIDTH, 2 * WIDTH]
-        queries = [0, 1, 3]  # row 0's two outputs, row 1's one
-        tokens = [2, 4, 1]
-        for query, token in zip(queries, tokens):
-            assert tensors.logprob_token_ids[query, 0] == token
-            assert torch.isclose(tensors.logprobs[query, 0], expected[query, token])
-            top = expected[query].topk(2).values
-            assert torch.allclose(tensors.logprobs[query, 1:], top)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    metadata = replace(
+        _metadata([0.0, 0.7]),
+        top_k=torch.tensor([VOCAB, 3]),
+        max_num_logprobs=-1,
+    )
+    sampler = Sampler(logprobs_mode=mode)
+    expected = sampler(logits.clone(), metadata).logprobs_tensors.logprobs
+    out = torch.tensor([[4], [1]], dtype=torch.int32)
+    tensors = verify_logprobs(
+        sampler, logits, out, replace(metadata, max_num_logprobs=2)
+    )
+    assert tensors.cu_num_generated_tokens == [0, 1, 2]
+    for row, token in enumerate((4, 1)):
+        assert tensors.logprob_token_ids[row, 0] == token
+        assert torch.isclose(tensors.logprobs[row, 0], expected[row, token])
+        top = expected[row].topk(2).values
+        assert torch.allclose(tensors.logprobs[row, 1:], top)

@@ -74,9 +74,9 @@ def test_a_scheduler_that_mixes_is_refused(checkpoints: tuple[str, str]) -> None
 def test_sampling_the_verify_step_cannot_run_is_refused(
     checkpoints: tuple[str, str],
 ) -> None:
-    """Per request, before it reaches the engine: logprobs in a processed
-    mode (verify steps report the target's raw distribution); structured
-    outputs and logprobs in the raw modes run."""
+    """Per request, before it reaches the engine: min_p (vLLM itself refuses
+    it with speculation); structured outputs and logprobs in every logprobs
+    mode run."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -85,16 +85,8 @@ def test_sampling_the_verify_step_cannot_run_is_refused(
     structured = SamplingParams(
         structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), logprobs=2
     )
-    default = RequestLimits.from_config(_config(target, ngram))
-    assert default.check_sampling(structured) is None
-    processed = RequestLimits.from_config(
-        _config(target, ngram, logprobs_mode="processed_logprobs")
-    )
-    reason = processed.check_sampling(SamplingParams(logprobs=2))
-    assert reason is not None and reason.startswith("logprobs cannot be used")
-    assert "--logprobs-mode raw_logprobs or raw_logits" in reason
-    assert processed.check_sampling(SamplingParams(prompt_logprobs=2)) is None
-    logits = RequestLimits.from_config(
-        _config(target, ngram, logprobs_mode="raw_logits")
-    )
-    assert logits.check_sampling(SamplingParams(logprobs=2)) is None
+    for mode in ("raw_logprobs", "processed_logits"):
+        limits = RequestLimits.from_config(_config(target, ngram, logprobs_mode=mode))
+        assert limits.check_sampling(structured) is None
+    reason = limits.check_sampling(SamplingParams(min_p=0.1))
+    assert reason is not None and reason.startswith("min_p cannot be used")
