@@ -417,12 +417,8 @@ def verify_on_device(
         accepted = (sampled != REJECTED).sum(dim=1)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            processed = sampler.logprobs_mode.startswith("processed")
             logprobs = verify_logprobs(
-                sampler,
-                logits if processed else forward["logits"],
-                sampled,
-                metadata,
+                sampler, forward["logits"], logits, sampled, metadata
             )
         tokens.accept(plan.slots, forward["starts"], sampled, accepted)
         proposer.propose(
@@ -530,32 +526,27 @@ def constrain_verify_logits(
 
 def verify_logprobs(
     sampler: "Sampler",
-    logits: torch.Tensor,
+    raw_logits: torch.Tensor,
+    constrained_logits: torch.Tensor,
     tokens: torch.Tensor,
     metadata: "SamplingMetadata",
 ) -> LogprobsTensors:
-    """Logprobs of every query of a verify step (``logits``: [rows * width,
+    """Logprobs of every query of a verify step (logits: [rows * width,
     vocab]; ``tokens``: [rows, width], what it output, ``REJECTED`` past each
     row's run), each row's ``width`` entries at ``row * width``: the
     scheduler keeps a row's first as many as it output. As vLLM's rejection
     sampler reports them, in the sampler's logprobs mode: the raw modes read
-    the target's logits as the forward gave them; the processed modes read
-    them after ``constrain_verify_logits`` (the caller's), then, unless every
-    row is greedy, after temperature (1 for greedy rows), top-k and top-p,
-    at the drafts' queries as at the bonus token's."""
+    the logits as the forward gave them; the processed modes read them after
+    ``constrain_verify_logits``, then, unless every row is greedy, after
+    temperature, top-k and top-p (``sampling_scaled``), at the drafts'
+    queries as at the bonus token's."""
     mode = sampler.logprobs_mode
     rows, width = tokens.shape
-    scores = logits.float()
-    if mode.startswith("processed") and not metadata.all_greedy:
-        assert metadata.temperature is not None
-        temperature = torch.where(
-            metadata.temperature < GREEDY_TEMPERATURE, 1.0, metadata.temperature
-        )
-        scores = apply_top_k_top_p(
-            scores / temperature.repeat_interleave(width)[:, None].float(),
-            None if metadata.top_k is None else metadata.top_k.repeat_interleave(width),
-            None if metadata.top_p is None else metadata.top_p.repeat_interleave(width),
-        )
+    processed = mode.startswith("processed")
+    scores = (constrained_logits if processed else raw_logits).float()
+    if processed and not metadata.all_greedy:
+        row_of = torch.arange(rows).repeat_interleave(width)
+        scores = sampling_scaled(scores, metadata, row_of)
     if mode.endswith("logprobs"):
         scores = sampler.compute_logprobs(scores)
     ids = tokens.flatten().clamp(min=0).long()
@@ -568,6 +559,23 @@ def verify_logprobs(
         values,
         ranks,
         cu_num_generated_tokens=list(range(0, rows * width + 1, width)),
+    )
+
+
+def sampling_scaled(
+    logits: torch.Tensor, metadata: "SamplingMetadata", row_of: torch.Tensor
+) -> torch.Tensor:
+    """``logits`` (a new tensor) divided by their rows' temperatures (1 for
+    greedy rows) and masked to their top-k and top-p: the distribution a
+    random row samples from, and vLLM's processed logits. ``row_of``: the
+    batch row of each of ``logits``' rows."""
+    assert metadata.temperature is not None
+    temperature = metadata.temperature[row_of]
+    temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
+    return apply_top_k_top_p(
+        logits / temperature[:, None].float(),
+        None if metadata.top_k is None else metadata.top_k[row_of],
+        None if metadata.top_p is None else metadata.top_p[row_of],
     )
 
 
@@ -615,13 +623,7 @@ def rejection_sample(
     if not metadata.all_greedy:
         row_of = torch.arange(rows).repeat_interleave(num_drafts)
         is_greedy = (metadata.temperature < GREEDY_TEMPERATURE)[row_of]
-        temperature = torch.where(is_greedy, 1.0, metadata.temperature[row_of])
-        scaled = apply_top_k_top_p(
-            target / temperature[:, None].float(),
-            None if metadata.top_k is None else metadata.top_k[row_of],
-            None if metadata.top_p is None else metadata.top_p[row_of],
-        )
-        probs = scaled.softmax(dim=-1)
+        probs = sampling_scaled(target, metadata, row_of).softmax(dim=-1)
         uniform = generate_uniform_probs(
             draft_ids.shape[0], counts, metadata.generators, probs.device
         )

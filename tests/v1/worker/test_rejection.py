@@ -240,11 +240,16 @@ def test_verify_logprobs_are_vllms_sampler_ones_in_every_mode(mode: str) -> None
         top_k=torch.tensor([VOCAB, 3]),
         max_num_logprobs=-1,
     )
+    # What constrain_verify_logits gives, e.g. for a token no row may take:
+    # the processed modes read it, the raw ones the forward's logits.
+    constrained = logits.clone()
+    constrained[:, 0] = float("-inf")
     sampler = Sampler(logprobs_mode=mode)
-    expected = sampler(logits.clone(), metadata).logprobs_tensors.logprobs
+    source = constrained if mode.startswith("processed") else logits
+    expected = sampler(source.clone(), metadata).logprobs_tensors.logprobs
     out = torch.tensor([[4], [1]], dtype=torch.int32)
     tensors = verify_logprobs(
-        sampler, logits, out, replace(metadata, max_num_logprobs=2)
+        sampler, logits, constrained, out, replace(metadata, max_num_logprobs=2)
     )
     assert tensors.cu_num_generated_tokens == [0, 1, 2]
     for row, token in enumerate((4, 1)):
