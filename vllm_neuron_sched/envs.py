@@ -110,7 +110,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Empty: one shape, max_model_len x max_num_seqs. Checked against the
     # configuration at start-up (core/limits.py).
     "VLLM_NEURON_SCHED_POOLING_SHAPES": _text("VLLM_NEURON_SCHED_POOLING_SHAPES"),
-    # Decode batch buckets, "1,2,4,8". Empty: powers of two up to max_num_seqs.
+    # Decode batch buckets, "1,2,4,8". Empty: 1, 2, 4, then multiples of 8
+    # (vLLM's CUDA-graph grid) up to max_num_seqs.
     # Checked against the configuration at start-up (worker/buckets.py).
     "VLLM_NEURON_SCHED_DECODE_BUCKETS": _text("VLLM_NEURON_SCHED_DECODE_BUCKETS"),
     # Static prefill shapes, "ROWSxTOKENS,..." e.g. "1x128,2x64,4x32": a

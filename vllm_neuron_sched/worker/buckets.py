@@ -1,7 +1,8 @@
 """Static shapes: the padded sizes a compiled step graph is run at.
 
 A static-shape device compiles one graph per shape, so every step is padded up
-to one of a few: decode batches to a batch-size bucket (1, 2, 4, ...), prefill
+to one of a few: decode batches to a batch-size bucket (1, 2, 4, 8, 16, 24, ...:
+the grid vLLM captures CUDA graphs at), prefill
 steps to a declared prefill shape (``rows x tokens per row``,
 core/prefill_shapes.py). A step no shape holds (a scheduler that mixes prefill
 and decode) pads its tokens to a token-count bucket up to the step budget.
@@ -28,13 +29,24 @@ def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def default_decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, then multiples of 8 up to 256 and of 16 beyond: vLLM's own
+    CUDA-graph capture grid. A padded row costs as much as a real one (0.7 ms
+    a row against 12.5 ms a step on the large benchmark model), so powers of
+    two (up to half the batch padding) cost the large model 14% of its decode
+    time on the mixed workload (docs/design.md section 8); this grid pads at
+    most 7 rows below 256."""
+    sizes = {1, 2, 4, *range(8, 256, 8), *range(256, max_num_seqs + 1, 16)}
+    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+
+
 def parse_decode_buckets(spec: str, max_num_seqs: int) -> tuple[int, ...]:
-    """``"1,2,4,8"`` -> sorted buckets; empty: powers of two up to max_num_seqs.
+    """``"1,2,4,8"`` -> sorted buckets; empty: ``default_decode_buckets``.
 
     max_num_seqs is always a bucket, so any decode batch fits one.
     """
     if not spec.strip():
-        return _powers_of_two_up_to(max_num_seqs)
+        return default_decode_buckets(max_num_seqs)
     try:
         sizes = {int(item) for item in spec.split(",") if item.strip()}
     except ValueError:

@@ -5,9 +5,13 @@ import pytest
 from vllm_neuron_sched.worker.buckets import Buckets, parse_decode_buckets
 
 
-def test_default_decode_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:
+def test_default_decode_buckets_are_vllms_cuda_graph_grid_up_to_max_num_seqs() -> None:
     assert parse_decode_buckets("", 8) == (1, 2, 4, 8)
     assert parse_decode_buckets("", 6) == (1, 2, 4, 6)
+    # vLLM's CUDA-graph grid: multiples of 8 past 8, never more than 7 rows
+    # of padding below 256.
+    assert parse_decode_buckets("", 64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert parse_decode_buckets("", 20) == (1, 2, 4, 8, 16, 20)
 
 
 def test_user_decode_buckets_always_end_at_max_num_seqs() -> None:
