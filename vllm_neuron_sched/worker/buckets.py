@@ -29,35 +29,35 @@ def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def default_decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+def _default_decode_grid(max_num_seqs: int) -> set[int]:
     """1, 2, 4, then multiples of 8 up to 256 and of 16 beyond: vLLM's own
     CUDA-graph capture grid. A padded row costs as much as a real one (0.7 ms
     a row against 12.5 ms a step on the large benchmark model), so powers of
     two (up to half the batch padding) cost the large model 14% of its decode
     time on the mixed workload (docs/design.md section 8); this grid pads at
     most 7 rows below 256."""
-    sizes = {1, 2, 4, *range(8, 256, 8), *range(256, max_num_seqs + 1, 16)}
-    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+    return {1, 2, 4, *range(8, 256, 8), *range(256, max_num_seqs + 1, 16)}
 
 
 def parse_decode_buckets(spec: str, max_num_seqs: int) -> tuple[int, ...]:
-    """``"1,2,4,8"`` -> sorted buckets; empty: ``default_decode_buckets``.
+    """``"1,2,4,8"`` -> sorted buckets; empty: ``_default_decode_grid``.
 
     max_num_seqs is always a bucket, so any decode batch fits one.
     """
     if not spec.strip():
-        return default_decode_buckets(max_num_seqs)
-    try:
-        sizes = {int(item) for item in spec.split(",") if item.strip()}
-    except ValueError:
-        raise ValueError(
-            f"VLLM_NEURON_SCHED_DECODE_BUCKETS: {spec!r} is not a comma-separated "
-            "list of batch sizes (e.g. '1,2,4,8')"
-        ) from None
-    if any(size <= 0 for size in sizes):
-        raise ValueError(
-            f"VLLM_NEURON_SCHED_DECODE_BUCKETS: sizes must be > 0: {spec!r}"
-        )
+        sizes = _default_decode_grid(max_num_seqs)
+    else:
+        try:
+            sizes = {int(item) for item in spec.split(",") if item.strip()}
+        except ValueError:
+            raise ValueError(
+                f"VLLM_NEURON_SCHED_DECODE_BUCKETS: {spec!r} is not a comma-"
+                "separated list of batch sizes (e.g. '1,2,4,8')"
+            ) from None
+        if any(size <= 0 for size in sizes):
+            raise ValueError(
+                f"VLLM_NEURON_SCHED_DECODE_BUCKETS: sizes must be > 0: {spec!r}"
+            )
     sizes = {size for size in sizes if size < max_num_seqs}
     sizes.add(max_num_seqs)
     return tuple(sorted(sizes))
