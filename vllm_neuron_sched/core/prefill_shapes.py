@@ -82,10 +82,8 @@ def default_prefill_shapes(
     1xCHUNK); a burst of short prompts fills a step."""
     max_tokens = min(max_num_batched_tokens, max_model_len)
     shapes = set()
-    for tokens in _powers_of_two_up_to(
-        max_tokens, min(_MIN_DEFAULT_TOKENS, max_tokens)
-    ):
-        for rows in _powers_of_two_up_to(max_num_seqs, 1):
+    for tokens in powers_of_two_up_to(max_tokens, min(_MIN_DEFAULT_TOKENS, max_tokens)):
+        for rows in powers_of_two_up_to(max_num_seqs, 1):
             if rows * tokens <= max_num_batched_tokens:
                 shapes.add(PrefillShape(rows, tokens))
     return tuple(sorted(shapes, key=lambda s: (s.size, s.rows)))
@@ -120,10 +118,11 @@ def fitting_shape(
     return min(fits, key=lambda s: (s.size, s.rows), default=None)
 
 
-def _powers_of_two_up_to(limit: int, start: int) -> list[int]:
+def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    """``start``, doubling while below ``limit``, then ``limit`` itself."""
     sizes, size = [], start
     while size < limit:
         sizes.append(size)
         size *= 2
     sizes.append(limit)
-    return sizes
+    return tuple(sizes)

@@ -14,19 +14,10 @@ from vllm_neuron_sched.core.prefill_shapes import (
     PrefillShape,
     fitting_shape,
     parse_prefill_shapes,
+    powers_of_two_up_to,
 )
 
 _MIN_PREFILL_BUCKET = 16
-
-
-def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
-    sizes = []
-    size = start
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    sizes.append(limit)
-    return tuple(sizes)
 
 
 def _default_decode_grid(max_num_seqs: int) -> set[int]:
@@ -91,7 +82,7 @@ class Buckets:
         )
         return cls(
             decode=parse_decode_buckets(decode_spec, max_num_seqs),
-            prefill=_powers_of_two_up_to(max_num_batched_tokens, start),
+            prefill=powers_of_two_up_to(max_num_batched_tokens, start),
             prefill_shapes=shapes,
         )
 
