@@ -2,8 +2,13 @@
 
 vLLM picks its platform once per process, so stock vLLM and our platform only
 compare across processes. The parent (``benchmarks.run``) sends a JSON spec on
-stdin; this prints ``BENCH_PROGRESS`` lines (one per finished unit) and one
-``BENCH_RESULT:`` line with raw per-repeat figures.
+stdin, on one line; this prints ``BENCH_PROGRESS`` lines (one per finished unit)
+and one ``BENCH_RESULT:`` line with raw per-repeat figures. With
+``"interleave": true`` in the spec the child takes turns: before each run
+(warm-up, repeat, traced run) it prints ``BENCH_WAIT <workload> <run>`` and
+runs only when the parent writes a line to its stdin (``benchmarks.run
+--interleave``: the modes' engines all alive, repeat r of each run seconds
+apart).
 
 Request timing is taken here, at the front end, as a user sees it: the engine is
 driven with ``LLMEngine.add_request`` / ``step()`` and DELTA outputs, each
@@ -23,6 +28,7 @@ from typing import Any
 
 RESULT_MARKER = "BENCH_RESULT:"
 PROGRESS_MARKER = "BENCH_PROGRESS"
+WAIT_MARKER = "BENCH_WAIT"
 
 
 @dataclass
@@ -84,6 +90,22 @@ class Workload:
 
 def _progress() -> None:
     print(PROGRESS_MARKER, flush=True)
+
+
+class Turns:
+    """Runs whenever asked (a child alone) or only on the parent's signal
+    (interleaved). A run's key is (workload index, run index: 0 the warm-up,
+    1.. the repeats, then the traced run), the same in every mode, so the
+    parent lines up the same run of every engine."""
+
+    def __init__(self, interleave: bool) -> None:
+        self._interleave = interleave
+
+    def wait(self, workload: int, run: int) -> None:
+        if self._interleave:
+            print(f"{WAIT_MARKER} {workload} {run}", flush=True)
+            if not sys.stdin.readline():  # the parent is gone
+                raise SystemExit("benchmark parent closed stdin")
 
 
 def _prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -248,8 +270,9 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     _progress()
     vocab = llm.get_tokenizer().vocab_size
     result: dict[str, Any] = {"startup_s": startup_s, "workloads": {}}
+    turns = Turns(spec.get("interleave", False))
     with RssSampler() as rss:
-        for wl_spec in spec["workloads"]:
+        for index, wl_spec in enumerate(spec["workloads"]):
             name = wl_spec["name"]
             if wl_spec["kind"] == "overlap":
                 result["workloads"][name] = run_overlap(llm, wl_spec, vocab)
@@ -260,9 +283,11 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                 num_warm = wl_spec["num_requests"] if wl_spec["kind"] == "burst" else 4
                 warm = make_workload({**wl_spec, "num_requests": num_warm}, vocab)
                 warm.arrivals = [0.0] * len(warm.arrivals)
+                turns.wait(index, 0)
                 run_workload(llm, warm, f"{name}-warm")
             repeats = []
             for r in range(wl_spec["repeats"]):
+                turns.wait(index, 1 + r)
                 # Every repeat runs the same prompts: without this, repeats
                 # after the first would take their prompts from the cache.
                 llm.reset_prefix_cache()
@@ -275,6 +300,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                 _progress()
             timeline = None
             if wl_spec.get("trace"):  # one more run, timed: not in the figures
+                turns.wait(index, 1 + wl_spec["repeats"])
                 llm.reset_prefix_cache()
                 _rpc(llm, "set_step_timeline", True)
                 run_workload(llm, workload, f"{name}-traced")
@@ -312,6 +338,6 @@ def run_overlap(llm: Any, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.stdin.read())
+    spec = json.loads(sys.stdin.readline())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(RESULT_MARKER + json.dumps(run_config(spec)), flush=True)

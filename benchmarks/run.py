@@ -1,7 +1,10 @@
 """How much async scheduling buys: ``python -m benchmarks.run [--quick]``.
 
 Each engine configuration runs in its own subprocess (``benchmarks.child``),
-one after the other, so they never compete for the cores:
+one after the other, so they never compete for the cores, or with
+``--interleave`` each model's all alive at once, taking turns run by run, so
+the same repeat of every mode runs seconds apart (the machine's drift over
+minutes cancels in the paired ratios):
 
 - ``stock``: stock vLLM CPU (``VLLM_NEURON_SCHED_DISABLE=1``), synchronous;
 - ``stock_async``: vLLM's own CPU worker behind our platform, async forced on;
@@ -26,7 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.analysis import check_plotting
-from benchmarks.child import PROGRESS_MARKER, RESULT_MARKER
+from benchmarks.child import PROGRESS_MARKER, RESULT_MARKER, WAIT_MARKER
 from benchmarks.configs import (
     MODES,
     config_env,
@@ -40,68 +43,178 @@ from benchmarks.report import machine, print_summary, write_artefacts
 from benchmarks.summary import summarize
 
 
-def run_child(
-    spec: dict[str, Any], env: dict[str, str], log: Path, bar: tqdm, timeout_s: float
-) -> dict[str, Any]:
-    """Runs one configuration; its logs (stdout and stderr) go to ``log``."""
-    deadline = time.monotonic() + timeout_s
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
+class Child:
+    """One configuration's process (``benchmarks.child``); its logs (stdout
+    and stderr) go to ``log``."""
+
+    def __init__(
+        self, name: str, spec: dict[str, Any], env: dict[str, str], log: Path
+    ) -> None:
+        self.name, self.log = name, log
+        self._stderr = log.open("w")
+        self._proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.child"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=stderr,
+            stderr=self._stderr,
             text=True,
             env=env,
             cwd=Path(__file__).resolve().parent.parent,
         )
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(spec))
-        proc.stdin.close()
-        result = None
-        for line in proc.stdout:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(spec) + "\n")
+        if spec.get("interleave"):
+            self._proc.stdin.flush()
+        else:
+            self._proc.stdin.close()
+
+    def read(self, bar: tqdm, deadline: float) -> tuple[int, int] | dict[str, Any]:
+        """Reads the child's output until it waits for its turn (the run's
+        key) or ends (its result)."""
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
             if line.startswith(PROGRESS_MARKER):
                 bar.update(1)
+            elif line.startswith(WAIT_MARKER):
+                workload, run = line.split()[1:]
+                return int(workload), int(run)
             elif line.startswith(RESULT_MARKER):
-                result = json.loads(line[len(RESULT_MARKER) :])
+                self._close()
+                return json.loads(line[len(RESULT_MARKER) :])
             else:  # vLLM logs to stdout
-                stderr.write(line)
+                self._stderr.write(line)
             if time.monotonic() > deadline:
-                proc.kill()
                 break
-        proc.wait()
-    if result is None:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"child failed (rc {proc.returncode}), log {log}:\n{tail}")
-    return result
+        self._close(kill=True)
+        tail = self.log.read_text()[-3000:]
+        raise RuntimeError(
+            f"child failed (rc {self._proc.returncode}), log {self.log}:\n{tail}"
+        )
+
+    def go(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+
+    def _close(self, kill: bool = False) -> None:
+        if kill:
+            self._proc.kill()
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        self._proc.wait()
+        self._stderr.close()
+
+
+def next_turns(waiting: dict[str, tuple[int, int]], round_index: int) -> list[str]:
+    """The children whose next run comes first (the smallest key), rotated by
+    the round so no mode always runs first."""
+    key = min(waiting.values())
+    names = [name for name, k in waiting.items() if k == key]
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def run_interleaved(
+    children: dict[str, tuple[dict[str, Any], dict[str, str], Path]],
+    bar: tqdm,
+    args: argparse.Namespace,
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Every configuration alive at once, taking turns run by run: repeat r
+    of each is seconds apart, not minutes. They start one at a time (so no
+    start-up competes with another), and before each turn the others have
+    been idle ``args.settle_s``: vLLM's worker spins for up to a second after
+    its last message, on the cores every engine's worker is bound to."""
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    deadline = time.monotonic() + args.timeout * len(children)
+    live: dict[str, Child] = {}
+    waiting: dict[str, tuple[int, int]] = {}
+
+    def advance(name: str) -> None:
+        try:
+            answer = live[name].read(bar, deadline)
+        except RuntimeError as exc:  # report it, run the others
+            errors[name] = str(exc)[-2000:]
+            bar.write(f"{name} failed, see {live[name].log}")
+            del live[name]
+            return
+        if isinstance(answer, dict):
+            results[name] = answer
+            del live[name]
+        else:
+            waiting[name] = answer
+
+    for name, (spec, env, log) in children.items():
+        bar.set_description(f"{name} (starting)")
+        live[name] = Child(name, {**spec, "interleave": True}, env, log)
+        advance(name)
+    round_index = 0
+    while waiting:
+        for name in next_turns(waiting, round_index):
+            del waiting[name]
+            bar.set_description(name)
+            time.sleep(args.settle_s)
+            live[name].go()
+            advance(name)
+        round_index += 1
+    return results, errors
+
+
+def run_sequential(
+    children: dict[str, tuple[dict[str, Any], dict[str, str], Path]],
+    bar: tqdm,
+    args: argparse.Namespace,
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """One configuration after another, each alone on the machine."""
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for name, (spec, env, log) in children.items():
+        bar.set_description(name)
+        try:
+            answer = Child(name, spec, env, log).read(
+                bar, time.monotonic() + args.timeout
+            )
+        except RuntimeError as exc:  # report it, run the others
+            errors[name] = str(exc)[-2000:]
+            bar.write(f"{name} failed, see {log}")
+            continue
+        assert isinstance(answer, dict), f"{name} waits for a turn"
+        results[name] = answer
+    return results, errors
 
 
 def run_configs(
     specs: dict[tuple[str, str, str], dict[str, Any]], args: argparse.Namespace
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Every (model, mode, group) in turn: raw results per model and mode
-    (a mode's overlap group merged into its main one), and each failed
-    configuration's error; a failure does not stop the others."""
+    """Every (model, mode, group): raw results per model and mode (a mode's
+    overlap group merged into its main one), and each failed configuration's
+    error; a failure does not stop the others. ``--interleave`` runs each
+    model's main configurations together, taking turns; the overlap sweeps
+    (ours only, a simulated device) run alone."""
     raw: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
+    batches: dict[Any, dict[str, Any]] = {}  # children per batch, in order
+    for (model, mode, group), spec in specs.items():
+        name = f"{model}/{mode}" + ("/overlap" if group == "overlap" else "")
+        log = args.out / f"{name.replace('/', '_')}.log"
+        child = (spec, config_env(mode, group), log)
+        batch_key = (model, group) if args.interleave and group == "main" else name
+        batches.setdefault(batch_key, {})[name] = child
     with tqdm(total=sum(num_units(s) for s in specs.values()), unit="run") as bar:
-        for (model, mode, group), spec in specs.items():
-            name = f"{model}/{mode}" + ("/overlap" if group == "overlap" else "")
-            bar.set_description(name)
-            log = args.out / f"{name.replace('/', '_')}.log"
-            try:
-                env = config_env(mode, group)
-                result = run_child(spec, env, log, bar, args.timeout)
-            except RuntimeError as exc:  # report it, run the others
-                errors[name] = str(exc)[-2000:]
-                bar.write(f"{name} failed, see {log}")
-                continue
-            runs = raw.setdefault(model, {})
-            if group == "main":
-                runs[mode] = {**result, **runs.get(mode, {})}
+        for children in batches.values():
+            if args.interleave and len(children) > 1:
+                results, failed = run_interleaved(children, bar, args)
             else:
-                runs.setdefault(mode, {"workloads": {}})
-                runs[mode]["workloads"].update(result["workloads"])
+                results, failed = run_sequential(children, bar, args)
+            errors.update(failed)
+            for name, result in results.items():
+                model, mode, *overlap = name.split("/")
+                runs = raw.setdefault(model, {})
+                if not overlap:
+                    runs[mode] = {**result, **runs.get(mode, {})}
+                else:
+                    runs.setdefault(mode, {"workloads": {}})
+                    runs[mode]["workloads"].update(result["workloads"])
     return raw, errors
 
 
@@ -120,6 +233,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--timeout", type=float, default=1200, help="s per config")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="each model's engines alive at once, taking turns run by run",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=2.0,
+        help="--interleave: idle seconds before each turn",
+    )
     args = parser.parse_args(argv)
     args.workloads = args.workloads.split(",")
     check_plotting()  # before any engine starts, not after the last one
@@ -141,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "command": " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])]),
         "quick": args.quick,
+        "interleaved": args.interleave,
         "machine": machine(),
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),

@@ -63,3 +63,36 @@ def test_trace_and_plot_are_written(timeline: dict[str, Any], tmp_path: Path) ->
     png = tmp_path / "timeline.png"
     assert plot_timelines({"toy async": timeline}, 2, png, "toy")
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_interleaved_turns_line_up_the_same_run_of_every_mode() -> None:
+    """``--interleave``: repeat r of every mode runs in one round, the modes
+    that trace take their traced run before anyone starts the next workload,
+    and no mode always goes first."""
+    from benchmarks.run import next_turns
+
+    # Each mode's runs, as its child announces them: (workload, run), run 0
+    # the warm-up, 1-2 the repeats, 3 the traced run (ours only).
+    runs = {
+        "stock": [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)],
+        "async": [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)],
+        "sync": [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)],
+    }
+    pending = {name: list(keys) for name, keys in runs.items()}
+    waiting = {name: keys.pop(0) for name, keys in pending.items()}
+    rounds: list[list[tuple[str, tuple[int, int]]]] = []
+    while waiting:
+        turn = [(name, waiting[name]) for name in next_turns(waiting, len(rounds))]
+        for name, _ in turn:
+            del waiting[name]
+            if pending[name]:
+                waiting[name] = pending[name].pop(0)
+        rounds.append(turn)
+
+    keys = [sorted({key for _, key in turn}) for turn in rounds]
+    assert all(len(k) == 1 for k in keys)  # one run of one workload per round
+    assert [k[0] for k in keys] == sorted({k for ks in runs.values() for k in ks})
+    traced = [sorted(name for name, _ in turn) for turn in rounds if turn[0][1][1] == 3]
+    assert traced == [["async", "sync"], ["async", "sync"]]
+    firsts = {turn[0][0] for turn in rounds if len(turn) == 3}
+    assert len(firsts) == 3  # the first turn rotates over the modes
