@@ -92,9 +92,14 @@ class Child:
         )
 
     def go(self) -> None:
+        """Starts the run the child waits for; a child that died meanwhile is
+        reported by the ``read`` that follows."""
         assert self._proc.stdin is not None
-        self._proc.stdin.write("go\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write("go\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass
 
     def _close(self, kill: bool = False) -> None:
         if kill:
