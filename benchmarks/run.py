@@ -47,10 +47,8 @@ class Child:
     """One configuration's process (``benchmarks.child``); its logs (stdout
     and stderr) go to ``log``."""
 
-    def __init__(
-        self, name: str, spec: dict[str, Any], env: dict[str, str], log: Path
-    ) -> None:
-        self.name, self.log = name, log
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path) -> None:
+        self.log = log
         self._stderr = log.open("w")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.child"],
@@ -110,6 +108,23 @@ class Child:
         self._stderr.close()
 
 
+def _read_or_report(
+    name: str,
+    child: Child,
+    bar: tqdm,
+    deadline: float,
+    errors: dict[str, str],
+) -> tuple[int, int] | dict[str, Any] | None:
+    """``child.read``, or None with the failure in ``errors``: a failed
+    configuration is reported and the others run."""
+    try:
+        return child.read(bar, deadline)
+    except RuntimeError as exc:
+        errors[name] = str(exc)[-2000:]
+        bar.write(f"{name} failed, see {child.log}")
+        return None
+
+
 def next_turns(waiting: dict[str, tuple[int, int]], round_index: int) -> list[str]:
     """The children whose next run comes first (the smallest key), rotated by
     the round so no mode always runs first."""
@@ -136,22 +151,17 @@ def run_interleaved(
     waiting: dict[str, tuple[int, int]] = {}
 
     def advance(name: str) -> None:
-        try:
-            answer = live[name].read(bar, deadline)
-        except RuntimeError as exc:  # report it, run the others
-            errors[name] = str(exc)[-2000:]
-            bar.write(f"{name} failed, see {live[name].log}")
-            del live[name]
-            return
-        if isinstance(answer, dict):
-            results[name] = answer
-            del live[name]
-        else:
+        answer = _read_or_report(name, live[name], bar, deadline, errors)
+        if isinstance(answer, tuple):
             waiting[name] = answer
+            return
+        if answer is not None:
+            results[name] = answer
+        del live[name]
 
     for name, (spec, env, log) in children.items():
         bar.set_description(f"{name} (starting)")
-        live[name] = Child(name, {**spec, "interleave": True}, env, log)
+        live[name] = Child({**spec, "interleave": True}, env, log)
         advance(name)
     round_index = 0
     while waiting:
@@ -175,16 +185,11 @@ def run_sequential(
     errors: dict[str, str] = {}
     for name, (spec, env, log) in children.items():
         bar.set_description(name)
-        try:
-            answer = Child(name, spec, env, log).read(
-                bar, time.monotonic() + args.timeout
-            )
-        except RuntimeError as exc:  # report it, run the others
-            errors[name] = str(exc)[-2000:]
-            bar.write(f"{name} failed, see {log}")
-            continue
-        assert isinstance(answer, dict), f"{name} waits for a turn"
-        results[name] = answer
+        deadline = time.monotonic() + args.timeout
+        answer = _read_or_report(name, Child(spec, env, log), bar, deadline, errors)
+        assert not isinstance(answer, tuple), f"{name} waits for a turn"
+        if answer is not None:
+            results[name] = answer
     return results, errors
 
 
@@ -199,8 +204,10 @@ def run_configs(
     raw: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     batches: dict[Any, dict[str, Any]] = {}  # children per batch, in order
+    config_of: dict[str, tuple[str, str, str]] = {}
     for (model, mode, group), spec in specs.items():
         name = f"{model}/{mode}" + ("/overlap" if group == "overlap" else "")
+        config_of[name] = (model, mode, group)
         log = args.out / f"{name.replace('/', '_')}.log"
         child = (spec, config_env(mode, group), log)
         batch_key = (model, group) if args.interleave and group == "main" else name
@@ -213,9 +220,9 @@ def run_configs(
                 results, failed = run_sequential(children, bar, args)
             errors.update(failed)
             for name, result in results.items():
-                model, mode, *overlap = name.split("/")
+                model, mode, group = config_of[name]
                 runs = raw.setdefault(model, {})
-                if not overlap:
+                if group == "main":
                     runs[mode] = {**result, **runs.get(mode, {})}
                 else:
                     runs.setdefault(mode, {"workloads": {}})
