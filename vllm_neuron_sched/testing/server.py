@@ -59,12 +59,20 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+# Longer than the clients' pool keeps an idle connection (httpx: 5 s, as
+# vLLM's default here). With equal limits the server may close an idle
+# connection just as a client sends on it, and with ``max_retries=0`` that
+# request fails with a connection error that says nothing about the server.
+KEEP_ALIVE_S = "60"
+
+
 def _server_env(env: dict[str, str] | None) -> dict[str, str]:
     return {
         # Each server makes its own metrics directory.
         **{k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV},
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S,
         **(env or {}),
     }
 
