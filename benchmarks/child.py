@@ -120,9 +120,14 @@ def make_workload(spec: dict[str, Any], vocab: int) -> Workload:
     delta = RequestOutputKind.DELTA
     num = spec["num_requests"]
 
-    def greedy(max_tokens: int) -> Any:
+    def greedy(max_tokens: int, stop_ids: list[int] | None = None) -> Any:
+        """Never ends on a random EOS: on max_tokens, or on one of stop_ids."""
         return SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=delta
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            stop_token_ids=stop_ids,
+            output_kind=delta,
         )
 
     def prompt_len() -> int:
@@ -157,15 +162,7 @@ def make_workload(spec: dict[str, Any], vocab: int) -> Workload:
                 )
             )
         else:
-            params.append(
-                SamplingParams(
-                    temperature=0.0,
-                    max_tokens=max_tokens,
-                    ignore_eos=True,  # the stop ids end it, never a random EOS
-                    stop_token_ids=stop_ids,
-                    output_kind=delta,
-                )
-            )
+            params.append(greedy(max_tokens, stop_ids))
         arrivals.append(now)
         now += rng.expovariate(spec["arrival_rate"])
     return Workload(prompts, params, arrivals)
