@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vllm_neuron_sched.core.prefill_shapes import powers_of_two_up_to
 from vllm_neuron_sched.testing.checkpoint import (
     CACHE_DIR,
     DEFAULT_CHECKPOINT,
@@ -14,11 +15,30 @@ from vllm_neuron_sched.testing.checkpoint import (
     ensure_checkpoint,
 )
 
-MODES = ("stock", "stock_async", "sync", "async", "sync_1xchunk", "async_1xchunk")
-# Our worker with one request's chunk per prefill step (the anchors' rule,
-# and this plugin's before batched prefill): the burst workload only.
-ONE_ROW_MODES = ("sync_1xchunk", "async_1xchunk")
+MODES = (
+    "stock",
+    "stock_async",
+    "sync",
+    "async",
+    "sync_1xchunk",
+    "async_1xchunk",
+    "async_rows",
+)
+ASYNC_MODES = ("stock_async", "async", "async_1xchunk", "async_rows")
+# Modes at other prefill shapes than the default packed rows, and the only
+# workloads they run: one request's chunk per prefill step (the anchors' rule,
+# and this plugin's before batched prefill), and rectangular shapes (one
+# request per row, this plugin's default before packed rows).
+SHAPE_MODES = {
+    "sync_1xchunk": ("burst",),
+    "async_1xchunk": ("burst",),
+    "async_rows": ("burst", "mixed"),
+}
 MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 64
+# vLLM's CPU default for the LLM class, set so that the modes' shape lists
+# can be written out.
+MAX_NUM_BATCHED_TOKENS = 4096
 # name -> (checkpoint folder, CheckpointSpec kwargs): the embedded tiny model
 # and a larger one (head_dim 64 in both: vLLM's CPU attention needs it).
 MODELS: dict[str, tuple[Path, dict[str, int]]] = {
@@ -83,9 +103,10 @@ def config_spec(
     engine_kwargs: dict[str, Any] = {
         "dtype": "float32",
         "max_model_len": MAX_MODEL_LEN,
-        "max_num_seqs": 64,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "seed": 0,
-        "async_scheduling": mode in ("stock_async", "async", "async_1xchunk"),
+        "async_scheduling": mode in ASYNC_MODES,
     }
     if args.enforce_eager:
         engine_kwargs["enforce_eager"] = True
@@ -96,8 +117,8 @@ def config_spec(
     if args.quick and model == "large":
         names = [n for n in names if n == "decode_heavy"]
     names = [n for n in names if (n == "overlap") == (group == "overlap")]
-    if mode in ONE_ROW_MODES:
-        names = [n for n in names if n == "burst"]
+    if mode in SHAPE_MODES:
+        names = [n for n in names if n in SHAPE_MODES[mode]]
     specs = []
     for name in names:
         spec = {"name": name, **all_workloads[name]}
@@ -107,7 +128,7 @@ def config_spec(
 
 
 def config_groups(model: str, mode: str, args: argparse.Namespace) -> list[str]:
-    if mode in ONE_ROW_MODES and "burst" not in args.workloads:
+    if mode in SHAPE_MODES and not set(SHAPE_MODES[mode]) & set(args.workloads):
         return []
     groups = ["main"]
     if "overlap" in args.workloads and model == "small" and mode in ("sync", "async"):
@@ -128,19 +149,25 @@ def config_env(mode: str, group: str) -> dict[str, str]:
     }
     if group == "overlap":
         env["VLLM_NEURON_SCHED_DEVICE"] = "thread"
-    if mode in ONE_ROW_MODES:
-        env["VLLM_NEURON_SCHED_PREFILL_SHAPES"] = one_row_shapes(MAX_MODEL_LEN)
+    if mode in ("sync_1xchunk", "async_1xchunk"):
+        env["VLLM_NEURON_SCHED_PREFILL_SHAPES"] = rectangular_shapes(1)
+    elif mode == "async_rows":
+        env["VLLM_NEURON_SCHED_PREFILL_SHAPES"] = rectangular_shapes(MAX_NUM_SEQS)
     return env
 
 
-def one_row_shapes(max_tokens: int) -> str:
-    """``1x16,1x32,...,1xMAX``: one request per prefill step, its chunk
-    padded to a power of two, as before batched prefill."""
-    shapes, tokens = [], 16
-    while tokens < max_tokens:
-        shapes.append(f"1x{tokens}")
-        tokens *= 2
-    return ",".join([*shapes, f"1x{max_tokens}"])
+def rectangular_shapes(max_rows: int) -> str:
+    """Every ``RxT`` with both powers of two, T from 16 to max_model_len, R up
+    to ``max_rows``, within the step budget: with one row, a request per
+    prefill step (``1x16,...,1x512``, as before batched prefill); with
+    max_num_seqs rows, the default grid before packed rows."""
+    tokens = powers_of_two_up_to(MAX_MODEL_LEN, 16)
+    return ",".join(
+        f"{r}x{t}"
+        for t in tokens
+        for r in powers_of_two_up_to(max_rows)
+        if r * t <= MAX_NUM_BATCHED_TOKENS
+    )
 
 
 def num_units(spec: dict[str, Any]) -> int:

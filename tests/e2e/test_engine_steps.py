@@ -181,15 +181,15 @@ def test_no_token_crosses_requests(stepper: EngineStepper) -> None:
 
 
 def test_a_burst_prefills_in_groups(stepper: EngineStepper) -> None:
-    """Three requests at once: prefill steps hold several of them (a 2x16
-    shape here: 32-token steps), at one static shape each, and every request
-    gets exactly the tokens it gets alone."""
+    """Three requests at once: the first prefill step packs all of them into
+    its 32 tokens (the third takes what is left, 3 of its 45 tokens), and
+    every request gets exactly the tokens it gets alone."""
     specs = [Req("g0", 20, 6), Req("g1", 9, 6), Req("g2", 45, 6)]
     alone = {s.req_id: stepper.run([s])[1].tokens[s.req_id] for s in specs}
     rows, client = stepper.run(specs)
-    prefill_rows = [len(r.scheduled) for r in rows if r.kind == "prefill"]
-    check(max(prefill_rows) > 1, rows, f"prefill rows per step {prefill_rows}")
-    check(rows[0].kind == "prefill" and len(rows[0].scheduled) == 2, rows, "burst")
+    first = rows[0].scheduled
+    check(rows[0].kind == "prefill", rows, "burst starts with a prefill")
+    check(first == {"g0": 20, "g1": 9, "g2": 3}, rows, "one packed 32-token step")
     for req_id, tokens in alone.items():
         check(client.tokens[req_id] == tokens, rows, f"{req_id} tokens")
 

@@ -104,6 +104,12 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"VLLM_NEURON_SCHED_DEVICE": "thread"},
     ),
     "sync": ({"async_scheduling": False}, {}),
+    # Rectangular prefill shapes (one request per row, rows padded) instead
+    # of the default packed rows.
+    "async_rectangular": (
+        {"async_scheduling": True},
+        {"VLLM_NEURON_SCHED_PREFILL_SHAPES": "1x8,1x16,1x32,2x8,2x16,4x8"},
+    ),
     # vLLM's own AsyncScheduler (``--scheduler-cls``): it mixes prefill and
     # decode in one step, which our worker must also run.
     "vllm_scheduler": (

@@ -17,7 +17,7 @@ BAD_VALUES = {
     "VLLM_NEURON_SCHED_PREFILL_INTERLEAVING": ("sometimes", "expected a boolean"),
     "VLLM_NEURON_SCHED_POOLING_SHAPES": ("64y8", "PROMPT_LENxBATCH"),
     "VLLM_NEURON_SCHED_DECODE_BUCKETS": ("1,two,4", "comma-separated list"),
-    "VLLM_NEURON_SCHED_PREFILL_SHAPES": ("2x", "is not ROWSxTOKENS"),
+    "VLLM_NEURON_SCHED_PREFILL_SHAPES": ("2x", "neither pTOKENS nor ROWSxTOKENS"),
     "VLLM_NEURON_SCHED_STATS_INTERVAL_S": ("often", "seconds, a number >= 0"),
     "VLLM_NEURON_SCHED_TIMELINE": ("2", "expected a boolean"),
     "VLLM_NEURON_SCHED_FAULT_AT_EXECUTION": ("1.5", "an integer >= 0"),

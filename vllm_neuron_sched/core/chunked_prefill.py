@@ -2,10 +2,11 @@
 
 Rules (docs/design.md section 2): a step is either a prefill step or a decode
 batch, never both. A prefill step runs the next chunk of several requests at
-one static prefill shape (``rows x tokens per row``, core/prefill_shapes.py):
-the ongoing prefills first, then waiting requests in arrival order, as far as
-each can be admitted together with those before it. With interleaving, a
-prefill step never follows a prefill step while decodes wait. Admission keeps
+one static prefill shape (a packed row or ``rows x tokens per row``,
+core/prefill_shapes.py): the ongoing prefills first, then waiting requests
+in arrival order, as far as each can be admitted together with those before
+it. With interleaving, a prefill step never follows a prefill step while
+decodes wait. Admission keeps
 ``max_num_seqs``, the volumetric tkv limit, and KV blocks reserved for
 ``prompt + max_tokens`` (plus the drafts' lookahead when the engine
 speculates), for the whole group.
@@ -80,7 +81,7 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             scheduler_config.max_num_seqs,
             self.max_model_len,
         )
-        self.max_prefill_rows = max(shape.rows for shape in self.prefill_shapes)
+        self.max_prefill_rows = max(s.max_requests for s in self.prefill_shapes)
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
 
@@ -126,19 +127,20 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
     def _chunks_of(self, plan: StepPlan) -> Iterator[None]:
         """vLLM's ``schedule()`` gives each request of the step at most the
         shape's tokens per row (its long-prefill cap, fixed, not adaptive)
-        and the step at most a row per request."""
-        assert plan.shape is not None
+        and the step at most a row per request, or for a packed row the
+        row's tokens in all: each request in turn takes what is left of it."""
+        shape = plan.shape
+        assert shape is not None
         config = self.scheduler_config
         saved = (
             config.long_prefill_token_threshold,
             self.adaptive_long_prefill_threshold,
             self.max_num_scheduled_tokens,
         )
-        config.long_prefill_token_threshold = plan.shape.tokens
+        config.long_prefill_token_threshold = shape.tokens
         self.adaptive_long_prefill_threshold = False
-        self.max_num_scheduled_tokens = min(
-            saved[2], len(plan.prefills) * plan.shape.tokens
-        )
+        rows = 1 if shape.packed else len(plan.prefills)
+        self.max_num_scheduled_tokens = min(saved[2], rows * shape.tokens)
         try:
             yield
         finally:

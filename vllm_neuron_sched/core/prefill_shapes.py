@@ -1,19 +1,26 @@
-"""Static prefill shapes: ``rows x tokens per row``, and which one a step runs.
+"""Static prefill shapes, and which one a step runs.
 
-A static-shape device compiles one graph per shape. A prefill step of several
-requests runs at a shape ``[rows, tokens]``: each request's next chunk is a
-row of at most ``tokens`` tokens, padded to it, and rows beyond the group are
-padding. ``VLLM_NEURON_SCHED_PREFILL_SHAPES`` declares the shapes
-(``"1x128,2x64,4x32"``); ``1xCHUNK`` alone is one request's chunk per step.
-Pure policy: no tensors, no threads.
+A static-shape device compiles one graph per shape. Two kinds:
+
+- *packed* ``pT``: one row of ``T`` tokens holding the next chunks of several
+  requests back to back, each its own attention sequence (attention is masked
+  within the row, as the decode steps' already is), padded at the tail. Only
+  the last step of a queue pads: the last request of a full step takes a
+  partial chunk. The default.
+- *rectangular* ``RxT``: ``R`` rows, each one request's chunk padded to ``T``
+  tokens, rows beyond the group padding. For a prefill kernel that takes one
+  sequence per row; ``1xCHUNK`` alone is one request per step (the anchors).
+
+``VLLM_NEURON_SCHED_PREFILL_SHAPES`` declares them (``"p128,p512"``,
+``"1x128,2x64,4x32"``, or both kinds). Pure policy: no tensors, no threads.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 ENV = "VLLM_NEURON_SCHED_PREFILL_SHAPES"
-# The default grid: rows and tokens per row are powers of two, tokens from
-# this many (or the whole step budget, if smaller) up to the step budget.
+# The default grid: packed rows of powers of two tokens, from this many (or
+# the whole step budget, if smaller) up to the step budget.
 _MIN_DEFAULT_TOKENS = 16
 # A step's fixed cost (engine core, host, launch), in tokens of compute: a
 # shape is scored by real tokens / (padded tokens + this). On the 2-core CPU
@@ -27,34 +34,71 @@ STEP_OVERHEAD_TOKENS = 64
 class PrefillShape:
     rows: int
     tokens: int  # per row
+    # One row holds several requests' chunks back to back (rows is 1).
+    packed: bool = False
+
+    @classmethod
+    def packed_row(cls, tokens: int) -> "PrefillShape":
+        return cls(1, tokens, packed=True)
 
     @property
     def size(self) -> int:
         """Tokens the device runs, padding included."""
         return self.rows * self.tokens
 
+    @property
+    def max_requests(self) -> int:
+        """Requests one step at this shape can hold."""
+        return self.tokens if self.packed else self.rows
+
+    def chunks(self, remaining: Sequence[int]) -> list[int]:
+        """The chunks a step at this shape runs for candidates (prompt
+        tokens left per request, in row order): the first ones, each its
+        whole rest or what the shape has left for it."""
+        if not self.packed:
+            return [min(left, self.tokens) for left in remaining[: self.rows]]
+        chunks, room = [], self.tokens
+        for left in remaining:
+            if room == 0:
+                break
+            chunks.append(min(left, room))
+            room -= chunks[-1]
+        return chunks
+
+    def holds(self, row_tokens: Sequence[int]) -> bool:
+        """Whether a step of these chunks fits this shape."""
+        if self.packed:
+            return sum(row_tokens) <= self.tokens
+        longest = max(row_tokens, default=0)
+        return len(row_tokens) <= self.rows and longest <= self.tokens
+
     def __str__(self) -> str:
-        return f"{self.rows}x{self.tokens}"
+        return f"p{self.tokens}" if self.packed else f"{self.rows}x{self.tokens}"
 
 
 def parse_prefill_shapes(
     spec: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
 ) -> tuple[PrefillShape, ...]:
-    """``"ROWSxTOKENS,..."``, each shape checked against the configuration;
-    empty: the default grid. Sorted by size."""
+    """``"pTOKENS"`` (packed) and ``"ROWSxTOKENS"`` items, comma-separated,
+    each checked against the configuration; empty: the default grid. Sorted
+    by size."""
     if not spec.strip():
-        return default_prefill_shapes(
-            max_num_batched_tokens, max_num_seqs, max_model_len
-        )
+        return default_prefill_shapes(max_num_batched_tokens)
     shapes = set()
     for item in spec.split(","):
+        text = item.strip().lower()
         try:
-            rows, tokens = (int(x) for x in item.strip().lower().split("x"))
+            if text.startswith("p"):
+                shape = PrefillShape.packed_row(int(text[1:]))
+            else:
+                rows, tokens = (int(x) for x in text.split("x"))
+                shape = PrefillShape(rows, tokens)
         except ValueError:
             raise ValueError(
-                f"{ENV}: {item!r} is not ROWSxTOKENS (e.g. '1x128,2x64,4x32')"
+                f"{ENV}: {item!r} is neither pTOKENS nor ROWSxTOKENS "
+                "(e.g. 'p128,p512' or '1x128,2x64,4x32')"
             ) from None
-        shape = PrefillShape(rows, tokens)
+        rows, tokens = shape.rows, shape.tokens
         problem = None
         if rows <= 0 or tokens <= 0:
             problem = "rows and tokens must be > 0"
@@ -65,28 +109,31 @@ def parse_prefill_shapes(
                 f"{shape.size} tokens exceed max_num_batched_tokens "
                 f"({max_num_batched_tokens}), the step budget"
             )
-        elif tokens > max_model_len:
+        elif tokens > max_model_len and not shape.packed:
             problem = f"{tokens} tokens per row exceed max_model_len ({max_model_len})"
         if problem:
             raise ValueError(f"{ENV}: shape {item.strip()!r}: {problem}")
         shapes.add(shape)
-    return tuple(sorted(shapes, key=lambda s: (s.size, s.rows)))
+    return tuple(sorted(shapes, key=_by_size))
 
 
-def default_prefill_shapes(
-    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
-) -> tuple[PrefillShape, ...]:
-    """Powers of two: tokens per row from 16 to the step budget (and
-    max_model_len), rows from 1 to max_num_seqs, rows x tokens within the
-    budget. One request alone gets today's single-chunk buckets (1x16 ...
-    1xCHUNK); a burst of short prompts fills a step."""
-    max_tokens = min(max_num_batched_tokens, max_model_len)
-    shapes = set()
-    for tokens in powers_of_two_up_to(max_tokens, min(_MIN_DEFAULT_TOKENS, max_tokens)):
-        for rows in powers_of_two_up_to(max_num_seqs, 1):
-            if rows * tokens <= max_num_batched_tokens:
-                shapes.add(PrefillShape(rows, tokens))
-    return tuple(sorted(shapes, key=lambda s: (s.size, s.rows)))
+def default_prefill_shapes(max_num_batched_tokens: int) -> tuple[PrefillShape, ...]:
+    """Packed rows of 16, 32, 64, ... tokens up to the step budget: a burst
+    fills whole steps (no padding), a lone request pads to its power of two,
+    and the device compiles one graph per doubling. The rectangular grid
+    (every power-of-two ``RxT`` within the budget, dozens of graphs) padded
+    10% more tokens on the large model's mixed workload (docs/design.md
+    section 8)."""
+    start = min(_MIN_DEFAULT_TOKENS, max_num_batched_tokens)
+    return tuple(
+        PrefillShape.packed_row(tokens)
+        for tokens in powers_of_two_up_to(max_num_batched_tokens, start)
+    )
+
+
+def _by_size(shape: PrefillShape) -> tuple[int, int, bool]:
+    """Smaller first; at equal size fewer rows, then packed (it holds more)."""
+    return shape.size, shape.rows, not shape.packed
 
 
 def pick_shape(
@@ -99,8 +146,8 @@ def pick_shape(
     (each starts sooner), then the smallest shape."""
     best: tuple[tuple[float, int, int, int], PrefillShape, int] | None = None
     for shape in shapes:
-        count = min(shape.rows, len(remaining))
-        real = sum(min(left, shape.tokens) for left in remaining[:count])
+        chunks = shape.chunks(remaining)
+        count, real = len(chunks), sum(chunks)
         cost = shape.size + STEP_OVERHEAD_TOKENS
         score = (real / cost, real, count, -shape.size)
         if best is None or score > best[0]:
@@ -113,9 +160,7 @@ def fitting_shape(
     row_tokens: Sequence[int], shapes: Sequence[PrefillShape]
 ) -> PrefillShape | None:
     """The smallest shape that holds these rows (tokens per row), or None."""
-    longest = max(row_tokens, default=0)
-    fits = [s for s in shapes if s.rows >= len(row_tokens) and s.tokens >= longest]
-    return min(fits, key=lambda s: (s.size, s.rows), default=None)
+    return min((s for s in shapes if s.holds(row_tokens)), key=_by_size, default=None)
 
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:

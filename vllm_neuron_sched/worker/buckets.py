@@ -3,7 +3,7 @@
 A static-shape device compiles one graph per shape, so every step is padded up
 to one of a few: decode batches to a batch-size bucket (1, 2, 4, 8, 16, 24, ...:
 the grid vLLM captures CUDA graphs at), prefill
-steps to a declared prefill shape (``rows x tokens per row``,
+steps to a declared prefill shape (a packed row or ``rows x tokens per row``,
 core/prefill_shapes.py). A step no shape holds (a scheduler that mixes prefill
 and decode) pads its tokens to a token-count bucket up to the step budget.
 """

@@ -1,14 +1,16 @@
 """Host-side inputs of one step, padded to a static shape.
 
-Two layouts. A prefill step that a declared prefill shape ``[rows, tokens]``
-holds is *rectangular*: row i's chunk sits at ``[i * tokens, i * tokens +
-chunk)``, padded to ``tokens``, and rows past the group are padding. Each row is
-one attention sequence of ``tokens`` queries that starts at the row's computed
+Two layouts. A prefill step at a rectangular prefill shape ``[rows, tokens]``
+is *rectangular*: row i's chunk sits at ``[i * tokens, i * tokens + chunk)``,
+padded to ``tokens``, and rows past the group are padding. Each row is one
+attention sequence of ``tokens`` queries that starts at the row's computed
 tokens, so a real query sees exactly its own prefix (causal), padded queries
 come after every real one, write no KV (slot -1) and read only blocks of their
-row or the null block 0; their outputs are dropped. Every other step (decode
-batches, steps of a scheduler that mixes) is *packed*: rows back to back,
-padded at the tail to a bucket, the padding outside every attention sequence.
+row or the null block 0; their outputs are dropped. Every other step is
+*packed*: rows back to back, each its own attention sequence, padded at the
+tail, the padding outside every sequence and writing no KV. A prefill step at
+a packed shape pads to the shape, a decode batch to its bucket, a step of a
+scheduler that mixes to a token-count bucket.
 
 With speculative decoding a decode step is a *verify step*
 (``speculation.py``): rows at ``i * (1 + K)``, their inputs completed on the
@@ -59,7 +61,7 @@ class StepInputs:
     # [num_reqs] num_computed_tokens per row before this step.
     num_computed: np.ndarray
     num_tokens_padded: int  # the static shape run on the device
-    # The prefill shape of a rectangular step; None for a packed one.
+    # The declared prefill shape of a prefill step; None for other steps.
     prefill_shape: PrefillShape | None
     # [num_reqs] where each row's first token sits in the padded step.
     row_offsets: np.ndarray
@@ -293,7 +295,8 @@ class _Layout:
     # [num_reqs] int64: each row's first token in the padded step.
     row_offsets: np.ndarray
     num_tokens_padded: int
-    prefill_shape: PrefillShape | None  # None: packed
+    # The declared prefill shape of a prefill step (None for other steps).
+    prefill_shape: PrefillShape | None
 
     @classmethod
     def of(
@@ -306,19 +309,20 @@ class _Layout:
         prefill_shape = None
         if shape is BatchShape.PREFILL:
             prefill_shape = buckets.prefill_shape(num_scheduled.tolist())
-        if prefill_shape is not None:
+        if prefill_shape is not None and not prefill_shape.packed:
             offsets = np.arange(len(num_scheduled), dtype=np.int64)
             offsets *= prefill_shape.tokens
             return cls(
                 num_scheduled, num_computed, offsets, prefill_shape.size, prefill_shape
             )
-        num_tokens = int(num_scheduled.sum())
-        if shape is BatchShape.DECODE:
+        if prefill_shape is not None:
+            padded = prefill_shape.size
+        elif shape is BatchShape.DECODE:
             padded = buckets.pad_decode(len(num_scheduled))
         else:
-            padded = buckets.pad_tokens(num_tokens)
+            padded = buckets.pad_tokens(int(num_scheduled.sum()))
         offsets = (np.cumsum(num_scheduled) - num_scheduled).astype(np.int64)
-        return cls(num_scheduled, num_computed, offsets, padded, None)
+        return cls(num_scheduled, num_computed, offsets, padded, prefill_shape)
 
     def attention(
         self,
@@ -329,7 +333,7 @@ class _Layout:
     ) -> CommonAttentionMetadata:
         num_reqs = len(self.num_scheduled)
         shape = self.prefill_shape
-        if shape is None:  # packed: the real tokens only
+        if shape is None or shape.packed:  # packed: the real tokens only
             query_lens = self.num_scheduled.astype(np.int64)
             seq_lens_np = self.num_computed + query_lens
             block_table = table_np[:num_reqs]

@@ -198,6 +198,9 @@ def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
     if shapes == "random":
         grid = set()
         for _ in range(draw(st.integers(1, 3))):
+            if draw(st.booleans()):  # packed: any number of requests in a row
+                grid.add(f"p{draw(st.integers(1, chunk_size))}")
+                continue
             rows = draw(st.integers(1, max_num_seqs))
             grid.add(f"{rows}x{draw(st.integers(1, chunk_size // rows))}")
         shapes = ",".join(sorted(grid))

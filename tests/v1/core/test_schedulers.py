@@ -179,13 +179,18 @@ def test_platform_turns_async_off_for_pooling(checkpoint_dir: str) -> None:
 
 
 @MODES
-@pytest.mark.parametrize("shapes", ["", "1x32"], ids=["default-grid", "1xchunk"])
+@pytest.mark.parametrize(
+    "shapes",
+    ["", "1x16,1x32,2x16", "1x32"],
+    ids=["default-packed", "rectangular", "1xchunk"],
+)
 def test_step_shape_rules(
     mode: Mode, shapes: str, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No mixed step; every prefill step fits a declared shape and holds the
-    ongoing prefills before any new request; seqs cap. With ``1xCHUNK`` (the
-    anchors' rule) a prefill step is one request and one prefill is ongoing."""
+    """No mixed step; every prefill step fits a declared shape (packed rows
+    by default, rectangular ones declared) and holds the ongoing prefills
+    before any new request; seqs cap. With ``1xCHUNK`` (the anchors' rule) a
+    prefill step is one request and one prefill is ongoing."""
     monkeypatch.setenv("VLLM_NEURON_SCHED_PREFILL_SHAPES", shapes)
     prompts = [100, 20, 50, 5, 70, 33, 64]
     events = arrive(*((i // 2, req(f"r{i}", p, 6 + i)) for i, p in enumerate(prompts)))
@@ -211,9 +216,9 @@ def test_step_shape_rules(
                 partial.discard(req_id)
                 if start + num_tokens < prompt_len:
                     partial.add(req_id)
-        if shapes:
+        if shapes == "1x32":
             assert len(partial) <= 1
-    assert (max(num_rows) > 1) == (not shapes)
+    assert (max(num_rows) > 1) == (shapes != "1x32")
     assert interleaving_violations(runner) == []
     for i in range(len(prompts)):
         assert result.tokens[f"r{i}"] == expected_tokens(f"r{i}", 6 + i, runner)
@@ -321,7 +326,7 @@ def test_a_group_is_admitted_only_as_far_as_every_member_fits(
         block_size=16,
         max_num_batched_tokens=64,  # shapes of up to 4 rows
     )
-    assert max(shape.rows for shape in scheduler.prefill_shapes) >= 3
+    assert max(shape.max_requests for shape in scheduler.prefill_shapes) >= 3
     first = runner.steps[0].scheduled
     assert sorted(first) == ["r0", "r1"]
     assert min(steps_of(runner, "r2")) > min(
