@@ -81,7 +81,7 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             scheduler_config.max_num_seqs,
             self.max_model_len,
         )
-        self.max_prefill_rows = max(s.max_requests for s in self.prefill_shapes)
+        self.max_prefill_requests = max(s.max_requests for s in self.prefill_shapes)
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
 
@@ -222,7 +222,7 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         joining: list[Request] = []
         queued = itertools.chain(self.kv_holding_waiting, self.waiting)
         for request in queued:
-            if len(candidates) >= self.max_prefill_rows:
+            if len(candidates) >= self.max_prefill_requests:
                 break
             if not self._handle_blocked_waiting_request(request):
                 continue
