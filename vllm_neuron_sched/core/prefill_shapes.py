@@ -23,7 +23,7 @@ ENV = "VLLM_NEURON_SCHED_PREFILL_SHAPES"
 # the whole step budget, if smaller) up to the step budget.
 _MIN_DEFAULT_TOKENS = 16
 # A step's fixed cost (engine core, host, launch), in tokens of compute: a
-# step costs its padded tokens + this. On the 2-core CPU
+# shape is scored by real tokens / (padded tokens + this). On the 2-core CPU
 # (docs/design.md section 8) a small-model prefill step costs ~5.5 ms plus
 # ~0.043 ms per token (~130 tokens of fixed cost); the large model's tokens
 # cost ~10x more, so its fixed cost is worth ~15. 64 sits between.
@@ -141,39 +141,19 @@ def pick_shape(
 ) -> tuple[PrefillShape, int]:
     """The shape for a prefill step over candidates (prompt tokens left per
     request, in the order they may join) and how many of them it takes, the
-    first ones.
-
-    A step costs its padded tokens plus a step's fixed cost. Scored one step
-    at a time: the most real tokens per unit of cost, then the most real
-    tokens, then the most requests (each starts sooner), then the smallest
-    shape. But where one shape holds every candidate's whole rest, that one
-    step is taken unless the best step and the step that finishes after it
-    cost less: one step at a time, a lone 200-token prompt ran at 128 tokens
-    and again at 128 (72 real), two launches and, with interleaving, a
-    decode step between them before its first token."""
-    best: tuple[tuple[float, int, int, int], PrefillShape, list[int]] | None = None
+    first ones: the most real tokens per unit of cost (padded tokens plus a
+    step's fixed cost), then the most real tokens, then the most requests
+    (each starts sooner), then the smallest shape."""
+    best: tuple[tuple[float, int, int, int], PrefillShape, int] | None = None
     for shape in shapes:
         chunks = shape.chunks(remaining)
-        real = sum(chunks)
-        score = (real / _cost(shape), real, len(chunks), -shape.size)
+        count, real = len(chunks), sum(chunks)
+        cost = shape.size + STEP_OVERHEAD_TOKENS
+        score = (real / cost, real, count, -shape.size)
         if best is None or score > best[0]:
-            best = (score, shape, chunks)
+            best = (score, shape, count)
     assert best is not None, "no prefill shape"
-    _, shape, chunks = best
-    whole = fitting_shape(remaining, shapes)
-    if whole is not None and shape != whole:
-        left = [n - chunk for n, chunk in zip(remaining, chunks)]
-        rest = [n for n in (*left, *remaining[len(chunks) :]) if n]
-        finish = fitting_shape(rest, shapes)  # holds it: ``whole`` does
-        assert finish is not None
-        if _cost(whole) <= _cost(shape) + _cost(finish):
-            return whole, len(remaining)
-    return shape, len(chunks)
-
-
-def _cost(shape: PrefillShape) -> int:
-    """A step's cost in tokens of compute: padded tokens plus launch."""
-    return shape.size + STEP_OVERHEAD_TOKENS
+    return best[1], best[2]
 
 
 def fitting_shape(

@@ -74,21 +74,6 @@ def test_a_lone_request_pads_to_its_own_bucket() -> None:
         assert pick_shape([1000], shapes) == (shapes[-1], 1)
 
 
-def test_what_one_step_holds_runs_in_one_step() -> None:
-    """A lone 200-token prompt: 128 tokens now and 72 padded to 128 next
-    scores better step by step, but costs a launch more than one step at
-    256 (and a decode step between, before its first token)."""
-    for shapes in (
-        default_prefill_shapes(256),
-        parse_prefill_shapes("1x16,1x32,1x64,1x128,1x256", **LIMITS),
-    ):
-        assert pick_shape([200], shapes) == (shapes[-1], 1)
-    two = parse_prefill_shapes("2x64,2x256", 1024, 8, 512)
-    assert pick_shape([200, 10], two) == (PrefillShape(2, 256), 2)
-    # Where two steps cost less than the one that holds it all, two it is.
-    assert pick_shape([70], parse_prefill_shapes("p64,p256", **LIMITS)) == (P(64), 1)
-
-
 def test_a_burst_of_short_prompts_shares_one_step() -> None:
     shapes = parse_prefill_shapes("1x32,2x32,4x32,8x32", **LIMITS)
     assert pick_shape([30] * 8, shapes) == (PrefillShape(8, 32), 8)
