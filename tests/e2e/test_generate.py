@@ -14,6 +14,7 @@ from unittest import mock
 
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
     generate,
@@ -109,6 +110,12 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "async_rectangular": (
         {"async_scheduling": True},
         {"VLLM_NEURON_SCHED_PREFILL_SHAPES": "1x8,1x16,1x32,2x8,2x16,4x8"},
+    ),
+    # Four TP ranks run the same packed prefill groups (prompts of one to
+    # three 32-token chunks) and feed their decode rows from the device.
+    "async_tp4": (
+        {"async_scheduling": True, "tensor_parallel_size": 4},
+        {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(4)},
     ),
     # vLLM's own AsyncScheduler (``--scheduler-cls``): it mixes prefill and
     # decode in one step, which our worker must also run.
