@@ -21,11 +21,16 @@ from vllm_neuron_sched.testing.checkpoint import (
     successor_map,
 )
 from vllm_neuron_sched.testing.oracle import (
+    counted_since,
     generate,
     spec_decode_counters,
     start_in_subprocess,
 )
-from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV
+from vllm_neuron_sched.testing.workloads import (
+    PREFIX_HIT_LENGTHS,
+    SMALL_ENGINE,
+    STOCK_ENV,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,20 +50,43 @@ def checkpoints() -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def _prompts(target: str, draft: str, agree: bool) -> list[list[int]]:
-    """Prompts whose walk the draft follows (``agree``) or reverses: short
-    ones, and ones of several prefill chunks (the chunk is 32 tokens)."""
+def _prompts(
+    target: str, draft: str, agree: bool, lengths: tuple[int, int] = (12, 40)
+) -> list[list[int]]:
+    """Prompts whose walk the draft follows (``agree``) or reverses: a short
+    one, and one of several prefill chunks (the chunk is 32 tokens)."""
     succ, draft_succ = successor_map(target), successor_map(draft)
 
     def draft_agrees(seed: int) -> bool:
-        last = repeat_prompt_ids(target, seed, length=12)[-1]
+        last = repeat_prompt_ids(target, seed, length=lengths[0])[-1]
         return succ[last] == draft_succ[last]
 
     seeds = [seed for seed in range(200) if draft_agrees(seed) == agree]
     return [
-        repeat_prompt_ids(target, seeds[0], length=12),
-        repeat_prompt_ids(target, seeds[1], length=40, noise=3),
+        repeat_prompt_ids(target, seeds[0], length=lengths[0]),
+        repeat_prompt_ids(target, seeds[1], length=lengths[1], noise=3),
     ]
+
+
+def _prefix_prompts(target: str, draft: str) -> list[list[int]]:
+    """Prompts of ``PREFIX_HIT_LENGTHS``: run again, each hits the prefix
+    cache for all but its last token, which vLLM pads with placeholder
+    drafts. The draft agrees with the first, not with the second."""
+    lengths = (PREFIX_HIT_LENGTHS[0], PREFIX_HIT_LENGTHS[1] - 3)  # 3 noise tokens
+    agreeing = _prompts(target, draft, True, lengths)
+    reversed_ = _prompts(target, draft, False, lengths)
+    return [agreeing[0], reversed_[1]]
+
+
+PREFIX_PARAMS = {"temperature": 0.0, "max_tokens": 18, "ignore_eos": True}
+
+
+def _stock_prefix(target: str, draft: str) -> Any:
+    """Stock without speculation, the prompts twice on one engine."""
+    prompts = _prefix_prompts(target, draft)
+    return start_in_subprocess(
+        target, prompts, PREFIX_PARAMS, ENGINE, env=STOCK_ENV, rounds=2
+    )
 
 
 def _all_prompts(target: str, draft: str) -> list[list[int]]:
@@ -136,8 +164,9 @@ def _stock(target: str, draft: str) -> Any:
 
 @pytest.fixture(scope="module", autouse=True)
 def stock_runs(checkpoints: tuple[str, str]) -> None:
-    """The stock child (no speculation) starts while our engines start."""
+    """The stock children (no speculation) start while our engines start."""
     _stock(*checkpoints)
+    _stock_prefix(*checkpoints)
 
 
 # name -> (engine keywords, environment of its workers)
@@ -204,11 +233,7 @@ def _counted(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, A
     """Speculation counters of one generate call (vLLM's, as deltas)."""
     before = spec_decode_counters(llm)
     generate(llm, prompts, {"temperature": 0.0, "max_tokens": max_tokens})
-    after = spec_decode_counters(llm)
-    return {
-        key: after.get(key, 0) - before.get(key, 0)
-        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    }
+    return counted_since(before, spec_decode_counters(llm))
 
 
 def test_agreeing_drafts_are_all_accepted(
@@ -266,3 +291,24 @@ def test_a_run_to_max_model_len(
     records = generate(llm, [prompt], {"temperature": 0.0, "max_tokens": budget})
     assert records[0]["token_ids"] == _walk(target, prompt, budget)
     assert records[0]["finish_reason"] == "length"
+
+
+def test_prefix_cache_hits_equal_stock(
+    engine: tuple[str, Any], checkpoints: tuple[str, str]
+) -> None:
+    """The prompts again on the same engine: each starts from a prefix-cache
+    hit (the target's and the draft's KV of the hit blocks), its one-token
+    remainder padded by vLLM with placeholder drafts. Tokens equal stock's
+    without speculation, and the agreeing prompt's drafts are accepted."""
+    _, llm = engine
+    prompts = _prefix_prompts(*checkpoints)
+    before = spec_decode_counters(llm)
+    ours = generate(llm, prompts, PREFIX_PARAMS)
+    first = counted_since(before, spec_decode_counters(llm))
+    ours += generate(llm, prompts, PREFIX_PARAMS)
+    stock = _stock_prefix(*checkpoints).result()
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
+    target = checkpoints[0]
+    walks = [_walk(target, p, PREFIX_PARAMS["max_tokens"]) for p in prompts]
+    assert [r["token_ids"] for r in ours] == walks * 2
+    assert first["num_accepted_tokens"] > 0

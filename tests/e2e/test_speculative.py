@@ -28,11 +28,16 @@ from vllm_neuron_sched.testing.checkpoint import (
 )
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
+    counted_since,
     generate,
     spec_decode_counters,
     start_in_subprocess,
 )
-from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV
+from vllm_neuron_sched.testing.workloads import (
+    PREFIX_HIT_LENGTHS,
+    SMALL_ENGINE,
+    STOCK_ENV,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -131,11 +136,38 @@ def _stock_structured(checkpoint: str) -> Any:
     )
 
 
+def _prefix_prompts(checkpoint: str) -> list[list[int]]:
+    """Repeat prompts of ``PREFIX_HIT_LENGTHS`` (run again, each hits the
+    prefix cache for all but its last token, a remainder vLLM pads with
+    placeholder drafts) and one whose hit leaves six tokens: the n-gram
+    proposer must see the tokens the hit covers."""
+    lengths = [*PREFIX_HIT_LENGTHS, 70]
+    return [repeat_prompt_ids(checkpoint, 5 + i, n) for i, n in enumerate(lengths)]
+
+
+PREFIX_PARAMS = {"temperature": 0.0, "max_tokens": 18, "ignore_eos": True}
+
+
+def _stock_prefix(checkpoint: str) -> Any:
+    """Stock vLLM CPU with its own n-gram speculation, the prompts twice on
+    one engine (the second round hits the prefix cache)."""
+    engine = {**ENGINE, "speculative_config": {"method": "ngram", **NGRAM}}
+    return start_in_subprocess(
+        checkpoint,
+        _prefix_prompts(checkpoint),
+        PREFIX_PARAMS,
+        engine,
+        env=STOCK_ENV,
+        rounds=2,
+    )
+
+
 @pytest.fixture(scope="module", autouse=True)
 def stock_runs(checkpoint: str) -> None:
     """The stock children start with the module, while our engines start."""
     _stock(checkpoint, speculative=True)
     _stock_structured(checkpoint)
+    _stock_prefix(checkpoint)
 
 
 # name -> (engine keywords, environment of its workers)
@@ -285,3 +317,29 @@ def test_structured_outputs_equal_stock_without_speculation(
     assert ours[1]["token_ids"][:6] == walk[:6] and ours[1]["token_ids"][6] != walk[6]
     # Drafts inside the grammar were accepted.
     assert after["num_accepted_tokens"] > before["num_accepted_tokens"], name
+
+
+def test_prefix_cache_hits_equal_stock(
+    engine: tuple[str, Any], checkpoint: str
+) -> None:
+    """The prompts again on the same engine: each request starts from a
+    prefix-cache hit. A one-token remainder, which vLLM's scheduler pads to
+    ``1 + K`` tokens of placeholder drafts, runs its one prompt token and
+    samples from it; the drafts come from the whole prompt, the hit
+    included. Tokens equal stock's, and in sync mode so do vLLM's acceptance
+    counters (the same drafts, proposed from the same histories)."""
+    name, llm = engine
+    prompts = _prefix_prompts(checkpoint)
+    before = spec_decode_counters(llm)
+    ours = generate(llm, prompts, PREFIX_PARAMS) + generate(llm, prompts, PREFIX_PARAMS)
+    after = spec_decode_counters(llm)
+    stock = _stock_prefix(checkpoint).result()
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
+    succ = successor_map(checkpoint)
+    for record, prompt in zip(ours, prompts * 2):
+        walk = [succ[prompt[-1]]]
+        while len(walk) < PREFIX_PARAMS["max_tokens"]:
+            walk.append(succ[walk[-1]])
+        assert record["token_ids"] == walk
+    if name == "sync":
+        assert counted_since(before, after) == stock[0]["spec_decode"]

@@ -47,13 +47,16 @@ def generate_in_subprocess(
     engine_kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 600,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """Token ids (and logprobs if asked) per prompt, from a fresh engine.
 
     ``sampling`` holds ``SamplingParams`` keyword arguments, or a list of them
-    (one per prompt).
+    (one per prompt); ``rounds``: see ``start_in_subprocess``.
     """
-    run = start_in_subprocess(model, prompts, sampling, engine_kwargs, env, timeout_s)
+    run = start_in_subprocess(
+        model, prompts, sampling, engine_kwargs, env, timeout_s, rounds
+    )
     return copy.deepcopy(run.result())
 
 
@@ -64,14 +67,18 @@ def start_in_subprocess(
     engine_kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 600,
+    rounds: int = 1,
 ) -> Future[list[dict[str, Any]]]:
     """``generate_in_subprocess`` without waiting: the run, started now or
-    earlier with the same arguments."""
+    earlier with the same arguments. ``rounds``: the same ``generate`` call
+    that many times on one engine (later rounds hit the prefix cache), the
+    records of every round in order."""
     spec = {
         "model": model,
         "prompts": prompts,
         "sampling": sampling,
         "engine_kwargs": engine_kwargs or {},
+        "rounds": rounds,
     }
     full_env = {**os.environ, **(env or {})}
     run_env = {
@@ -202,11 +209,25 @@ def spec_decode_counters(llm: Any) -> dict[str, Any]:
     return counters
 
 
+def counted_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What two readings of ``spec_decode_counters`` counted in between
+    (per-position counts position by position)."""
+
+    def minus(value: Any, earlier: Any) -> Any:
+        if isinstance(value, list):
+            return [v - e for v, e in zip(value, earlier or [0] * len(value))]
+        return value - (earlier or 0)
+
+    return {name: minus(value, before.get(name)) for name, value in after.items()}
+
+
 def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM
 
     llm = LLM(model=spec["model"], **spec["engine_kwargs"])
-    records = generate(llm, spec["prompts"], spec["sampling"])
+    records = []
+    for _ in range(spec["rounds"]):
+        records += generate(llm, spec["prompts"], spec["sampling"])
     if spec["engine_kwargs"].get("speculative_config"):
         # Engine-wide, the same in every record.
         counters = spec_decode_counters(llm)

@@ -6,14 +6,17 @@ from typing import Any
 
 # An engine that starts fast and exercises chunking: prompts longer than 32
 # tokens take several prefill steps, and 4 sequence slots make later
-# requests wait and join.
+# requests wait and join. Everything else is vLLM's default (the prefix cache
+# is on), as a user gets it.
 SMALL_ENGINE: dict[str, Any] = {
     "dtype": "float32",
     "max_model_len": 256,
     "max_num_seqs": 4,
     "max_num_batched_tokens": 32,
     "seed": 0,
-    "enable_prefix_caching": False,
+    # Our default KV block, given to stock too (its own is larger), so
+    # prefix-cache hits, which are whole blocks, land at the same positions.
+    "block_size": 64,
     # Engine start is the slow part of these tests; eager skips torch.compile.
     "enforce_eager": True,
 }
@@ -33,6 +36,10 @@ SOAK_ENGINE: dict[str, Any] = {**SERVER_ENGINE, "max_num_seqs": 16}
 # Lengths cross a KV block (64 tokens) and differ: requests end at different steps.
 SERVER_PROMPT_LENGTHS = [5, 33, 70, 12]
 SERVER_MAX_TOKENS = 16
+# One KV block (64 tokens) and two, plus one: a repeat of such a prompt hits
+# the prefix cache for all but its last token, which vLLM pads with
+# placeholder drafts when the engine speculates.
+PREFIX_HIT_LENGTHS = [65, 129]
 # Prompt lengths across the 32-token chunk size and budgets that differ: five
 # requests over four sequence slots finish at different steps and later ones
 # join a running batch.

@@ -97,6 +97,12 @@ class StepUpdate:
     # With speculation: (row, min_tokens, stop token ids) of the rows whose
     # request sets min_tokens (a verify step masks the stops per query).
     min_tokens: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    # With speculation: [num_reqs] the prompt tokens a new request's
+    # prefix-cache hit gave it (0 on every other row): the step writes them
+    # into the device history, which the n-gram proposer reads.
+    num_cached_prompt_tokens: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64)
+    )
 
 
 class HostRequestState:
@@ -206,11 +212,16 @@ class HostRequestState:
                 dtype=np.int64,
                 count=len(req_ids),
             )
+            new_reqs = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+            update.num_cached_prompt_tokens = np.zeros(len(req_ids), np.int64)
             for row, req_id in enumerate(req_ids):
-                params = self.requests[req_id].sampling_params
+                state = self.requests[req_id]
+                params = state.sampling_params
                 if params is not None and params.min_tokens:
                     stops = tuple(sorted(params.all_stop_token_ids))
                     update.min_tokens.append((row, params.min_tokens, stops))
+                if req_id in new_reqs:
+                    update.num_cached_prompt_tokens[row] = state.num_computed_tokens
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update

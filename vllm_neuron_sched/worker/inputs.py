@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.v1.worker.utils import AttentionGroup
 
     from vllm_neuron_sched.worker.buckets import Buckets
+    from vllm_neuron_sched.worker.host_state import StepUpdate
 
 # KV slot of padded tokens: the KV cache write skips it.
 NO_KV_SLOT = -1
@@ -91,12 +92,13 @@ class StepInputs:
     # device there (not expected; the runner waits and rebuilds).
     needs_host_tokens: bool
     # [num_reqs] tokens each row may add to its history (placeholders): 1
-    # per sampling row, 1 + drafts per verify row, 0 otherwise.
+    # per sampling row, 1 + drafts per verify row (and per prompt row that
+    # vLLM padded with placeholder drafts), 0 otherwise.
     num_new_tokens: np.ndarray
     # Speculative decoding: a verify step's plan (its tensors above are then
     # empty: the device completes them), or for other steps the prompt
-    # tokens' (slots, positions, indices in the padded step) for the device
-    # histories and each row's next position (where a sampled token goes).
+    # tokens' (slots, positions, token ids) for the device histories and each
+    # row's next position (where a sampled token goes).
     verify: VerifyPlan | None = None
     history_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     next_positions: torch.Tensor | None = None
@@ -126,20 +128,18 @@ def build_step_inputs(
     num_scheduled_tokens: dict[str, int],
     buckets: "Buckets",
     attn_groups: "list[AttentionGroup]",
-    token_slots: np.ndarray,
+    update: "StepUpdate",
     scheduled_drafts: dict[str, list[int]] | None = None,
     num_spec_tokens: int = 0,
-    scheduled_num_tokens: np.ndarray | None = None,
-    min_tokens: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> StepInputs:
-    """Inputs for the rows of ``batch`` (already updated for this step).
-    ``scheduled_drafts``: the scheduler's drafts per request, given when the
-    engine speculates (``num_spec_tokens`` per verify row), with each row's
-    tokens as the scheduler counts them and the rows that set min_tokens
-    (``StepUpdate``)."""
+    """Inputs for the rows of ``batch`` (already updated for this step, as
+    ``update`` tells). ``scheduled_drafts``: the scheduler's drafts per
+    request, given when the engine speculates (``num_spec_tokens`` per verify
+    row)."""
     num_reqs = batch.num_reqs
     req_ids = list(batch.req_ids)
-    num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int32)
+    token_slots = update.token_slots
+    num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int64)
     num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
     num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
     num_prompt = batch.num_prompt_tokens[:num_reqs]
@@ -151,9 +151,8 @@ def build_step_inputs(
     ).reshape(-1)
     num_queries = 1
     if speculates:
-        assert scheduled_num_tokens is not None
         num_queries = 1 + num_drafts
-        num_known = scheduled_num_tokens
+        num_known = update.scheduled_num_tokens
     is_decode_row = (num_scheduled == num_queries) & (num_computed + 1 == num_known)
     is_decode_row &= num_computed >= num_prompt
     shape = BatchShape.of((~is_decode_row).tolist())
@@ -165,9 +164,15 @@ def build_step_inputs(
             buckets.pad_decode(num_reqs),
             num_spec_tokens,
             attn_groups,
-            min_tokens or [],
+            update.min_tokens,
         )
         return _verify_inputs(req_ids, num_scheduled, num_computed, token_slots, plan)
+    # vLLM pads a prompt whose prefix-cache hit leaves it one token to
+    # ``1 + K`` tokens with K placeholder drafts (uniform verify shapes for
+    # its CUDA graphs). Such a row runs its one prompt token and samples from
+    # it; the scheduler counts the placeholders as rejected drafts.
+    num_padding = np.where(is_decode_row, 0, num_drafts) if speculates else 0
+    num_scheduled = num_scheduled - num_padding
     if speculates and shape is BatchShape.MIXED:
         raise RuntimeError(
             "speculative decoding needs steps that never mix prefill and decode "
@@ -236,19 +241,39 @@ def build_step_inputs(
         ),
         token_slots=token_slots,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
-        num_new_tokens=is_sampled.astype(np.int64),
+        # As the scheduler counts them: a padded row's placeholders too.
+        num_new_tokens=is_sampled.astype(np.int64) + num_padding,
         history_writes=(
-            (
-                torch.from_numpy(token_slots[row_of_token]),
-                torch.from_numpy(positions_np),
-                token_index,
-            )
+            _history_writes(batch, update, token_slots, row_of_token, positions_np)
             if speculates
             else None
         ),
         next_positions=(
             torch.from_numpy(num_computed + num_scheduled) if speculates else None
         ),
+    )
+
+
+def _history_writes(
+    batch: "InputBatch",
+    update: "StepUpdate",
+    token_slots: np.ndarray,
+    row_of_token: np.ndarray,
+    positions: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, positions, token ids) the device histories get from a prefill
+    step: every prompt token it runs, and a new request's prefix-cache hit,
+    which it does not run but the n-gram proposer reads."""
+    hit_rows = np.flatnonzero(update.num_cached_prompt_tokens)
+    hits = update.num_cached_prompt_tokens[hit_rows]
+    hit_rows_of_token = np.repeat(hit_rows, hits)
+    hit_positions = np.arange(int(hits.sum())) - np.repeat(np.cumsum(hits) - hits, hits)
+    rows = np.concatenate([hit_rows_of_token, row_of_token])
+    columns = np.concatenate([hit_positions, positions])
+    return (
+        torch.from_numpy(token_slots[rows]),
+        torch.from_numpy(columns),
+        torch.from_numpy(batch.token_ids_cpu[rows, columns].astype(np.int32)),
     )
 
 

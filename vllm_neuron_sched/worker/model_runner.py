@@ -383,11 +383,9 @@ class NeuronSchedModelRunner:
                 scheduler_output.num_scheduled_tokens,
                 self.buckets,
                 self.kv_cache.attn_groups,
-                update.token_slots,
+                update,
                 None if spec is None else scheduler_output.scheduled_spec_decode_tokens,
                 0 if spec is None else spec.num_tokens,
-                update.scheduled_num_tokens,
-                update.min_tokens,
             )
 
         inputs = build()
@@ -443,8 +441,7 @@ class NeuronSchedModelRunner:
         with torch.inference_mode():
             self.token_table.gather(input_ids, gather)
             if history_writes is not None:
-                slots, token_positions, token_index = history_writes
-                self.token_table.record(slots, token_positions, input_ids[token_index])
+                self.token_table.record(*history_writes)
             hidden_states = run_model(
                 self.model,
                 self.vllm_config,
