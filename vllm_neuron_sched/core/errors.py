@@ -7,10 +7,11 @@ Two kinds of request end here:
   ``EngineCore`` directly. Raising inside the engine would take it down, and
   leaving it queued would stall the queue;
 - one whose step failed on the device: the runner reports the step's
-  requests in a ``FailedStepOutput``. The blocks that step was to write hold
-  whatever was there before, so the failed requests' blocks leave the prefix
-  cache, and a running request that shares one of the unwritten blocks (a
-  prefix hit on them) fails with them.
+  requests in a ``FailedStepOutput``. The blocks that step was to fill hold
+  whatever was there before, so they leave the prefix cache (vLLM registered
+  them when it scheduled the step), whether their request still runs or was
+  aborted meanwhile, and a running request that shares one of them (a
+  prefix hit on them) fails with the step's requests.
 
 Either way the request finishes with ``FINISHED_ERROR`` and its client gets
 that on this step's output. A worker under a scheduler without this mixin
@@ -52,6 +53,16 @@ class ErrorFinishMixin:
         super().__init__(*args, **kwargs)
         # Finished with an error since the last output, to tell their clients.
         self._errored: list[Request] = []
+        # id(a scheduled step's output) -> the full KV blocks the step fills,
+        # which vLLM registered in the prefix cache when it scheduled it;
+        # dropped when its output is read.
+        self._filled_blocks: dict[int, set[int]] = {}
+
+    def schedule(self, *args, **kwargs) -> "SchedulerOutput":
+        output = super().schedule(*args, **kwargs)
+        if self.cache_config.enable_prefix_caching and output.num_scheduled_tokens:
+            self._filled_blocks[id(output)] = self._blocks_filled_by(output)
+        return output
 
     def add_request(self, request: "Request") -> None:
         super().add_request(request)
@@ -69,9 +80,10 @@ class ErrorFinishMixin:
         scheduler_output: "SchedulerOutput",
         model_runner_output: ModelRunnerOutput,
     ) -> dict[int, EngineCoreOutputs]:
+        filled = self._filled_blocks.pop(id(scheduler_output), set())
         if isinstance(model_runner_output, FailedStepOutput):
             # Before vLLM reads the output: finished requests get no tokens.
-            self._finish_failed(model_runner_output.failed_req_ids, scheduler_output)
+            self._finish_failed(model_runner_output.failed_req_ids, filled)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for request in self._errored:
             eco = outputs.setdefault(request.client_index, EngineCoreOutputs())
@@ -86,28 +98,19 @@ class ErrorFinishMixin:
         self._errored.clear()
         return outputs
 
-    def _finish_failed(
-        self, failed: dict[str, str], scheduler_output: "SchedulerOutput"
-    ) -> None:
+    def _finish_failed(self, failed: dict[str, str], unwritten: set[int]) -> None:
+        """``unwritten``: the full blocks the failed step was to fill (of
+        requests aborted since too, which no longer hold them)."""
         req_ids = failed.keys() & self.requests.keys()
-        starts = _positions_before(scheduler_output)
-        held: set[int] = set()
-        unwritten: set[int] = set()
-        for req_id in req_ids:
-            for group, block_ids in enumerate(
-                self.kv_cache_manager.get_block_ids(req_id)
-            ):
-                block_size = self._group_block_size(group)
-                held.update(block_ids)
-                unwritten.update(block_ids[starts.get(req_id, 0) // block_size :])
+        held = set().union(*map(self._block_ids, req_ids))
         sharing = {
             r.request_id
             for r in self.running
             if r.request_id not in req_ids
             and not unwritten.isdisjoint(self._block_ids(r.request_id))
         }
-        if held:
-            self.kv_cache_manager.evict_blocks(held)
+        if held | unwritten:
+            self.kv_cache_manager.evict_blocks(held | unwritten)
         logger.error(
             "Finishing requests %s with an error: their step failed on the "
             "device (%s)%s",
@@ -119,13 +122,28 @@ class ErrorFinishMixin:
             self.finish_requests(req_ids | sharing, RequestStatus.FINISHED_ERROR)
         )
 
-    def _group_block_size(self, group: int) -> int:
-        return self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
-
     def _block_ids(self, req_id: str) -> set[int]:
         """Every KV block the request holds, in every cache group."""
         groups = self.kv_cache_manager.get_block_ids(req_id)
         return set(itertools.chain.from_iterable(groups))
+
+    def _blocks_filled_by(self, output: "SchedulerOutput") -> set[int]:
+        """The blocks, in every cache group, that the step's tokens fill up:
+        those vLLM registered in the prefix cache for it."""
+        starts = _positions_before(output)
+        block_sizes = [
+            group.kv_cache_spec.block_size
+            for group in self.kv_cache_config.kv_cache_groups
+        ]
+        filled: set[int] = set()
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            start = starts[req_id]
+            if all((start + num_tokens) // bs == start // bs for bs in block_sizes):
+                continue  # fills no block (most decode steps)
+            groups = self.kv_cache_manager.get_block_ids(req_id)
+            for block_ids, bs in zip(groups, block_sizes):
+                filled.update(block_ids[start // bs : (start + num_tokens) // bs])
+        return filled
 
 
 def _positions_before(scheduler_output: "SchedulerOutput") -> dict[str, int]:
