@@ -84,7 +84,7 @@ def check_environment(vllm_config: "VllmConfig") -> None:
     that cannot be parsed, or that cannot work with this configuration, is
     refused here with its name, not later inside a worker."""
     from vllm_neuron_sched.core.limits import parse_pooling_shapes
-    from vllm_neuron_sched.core.prefill_shapes import parse_prefill_shapes
+    from vllm_neuron_sched.core.prefill_shapes import engine_prefill_shapes
     from vllm_neuron_sched.worker.buckets import parse_decode_buckets
 
     envs.check_values()
@@ -96,12 +96,7 @@ def check_environment(vllm_config: "VllmConfig") -> None:
         parse_pooling_shapes(
             envs.VLLM_NEURON_SCHED_POOLING_SHAPES, max_model_len, max_num_seqs
         )
-        parse_prefill_shapes(
-            envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
-            scheduler_config.max_num_batched_tokens,
-            max_num_seqs,
-            max_model_len,
-        )
+        engine_prefill_shapes(vllm_config)
 
 
 def check_speculation(vllm_config: "VllmConfig") -> None:

@@ -36,7 +36,7 @@ from vllm_neuron_sched.core.errors import ErrorFinishMixin
 from vllm_neuron_sched.core.limits import RequestLimits
 from vllm_neuron_sched.core.prefill_shapes import (
     PrefillShape,
-    parse_prefill_shapes,
+    engine_prefill_shapes,
     pick_shape,
 )
 from vllm_neuron_sched.core.step_view import restricted_view
@@ -73,17 +73,12 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         super().__init__(*args, **kwargs)
         self.interleave_prefills = envs.VLLM_NEURON_SCHED_PREFILL_INTERLEAVING
         self.limits = RequestLimits.from_config(self.vllm_config)
-        self.max_model_len = self.vllm_config.model_config.max_model_len
-        scheduler_config = self.vllm_config.scheduler_config
-        self.prefill_shapes = parse_prefill_shapes(
-            envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
-            scheduler_config.max_num_batched_tokens,
-            scheduler_config.max_num_seqs,
-            self.max_model_len,
-        )
+        self.prefill_shapes = engine_prefill_shapes(self.vllm_config)
         self.max_prefill_requests = max(s.max_requests for s in self.prefill_shapes)
         # Kind of the last *scheduled* step (the device runs steps in that order).
         self.last_step_kind = StepPlanKind.IDLE
+        # vLLM scheduled nothing of the last prefill plan: decode first.
+        self.prefill_declined = False
 
     # --- the step ---------------------------------------------------------
 
@@ -104,20 +99,31 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         self.last_step_kind = (
             plan.kind if output.num_scheduled_tokens else StepPlanKind.IDLE
         )
+        self.prefill_declined = (
+            plan.kind is StepPlanKind.PREFILL and not output.num_scheduled_tokens
+        )
+        if self.prefill_declined:
+            # Admission counts what vLLM needs, so this is a bug; running
+            # the same plan again would stall the decodes for good.
+            logger.warning(
+                "vLLM's scheduler declined the planned prefill step of %s "
+                "(shape %s); the next step decodes",
+                [r.request_id for r in plan.prefills],
+                plan.shape,
+            )
         return output
 
     def plan_step(self) -> StepPlan:
         """Prefill when allowed (TTFT), else decode, else nothing."""
         can_decode = any(self.can_schedule_decode(r) for r in self.decoding_requests())
         candidates = self.prefill_candidates()
-        blocked_by_interleaving = (
-            self.interleave_prefills
-            and self.last_step_kind is StepPlanKind.PREFILL
-            and can_decode
+        after_prefill = self.last_step_kind is StepPlanKind.PREFILL
+        decodes_first = can_decode and (
+            self.prefill_declined or (self.interleave_prefills and after_prefill)
         )
-        if candidates and not blocked_by_interleaving:
-            left = [self.prompt_tokens_left(r) for r in candidates]
-            shape, count = pick_shape(left, self.prefill_shapes)
+        if candidates and not decodes_first:
+            tokens = [self.chunk_tokens(r) for r in candidates]
+            shape, count = pick_shape(tokens, self.prefill_shapes)
             return StepPlan(StepPlanKind.PREFILL, tuple(candidates[:count]), shape)
         if can_decode:
             return StepPlan(StepPlanKind.DECODE)
@@ -163,6 +169,13 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             computed = self.kv_cache_manager.get_computed_blocks(request)[1]
         return request.num_tokens - computed
 
+    def chunk_tokens(self, request: "Request") -> int:
+        """Tokens vLLM may schedule for the request's rest: its prompt tokens
+        left, or ``1 + K`` for a one-token rest when the engine speculates
+        (vLLM pads it with K placeholder drafts, and never splits that)."""
+        left = self.prompt_tokens_left(request)
+        return 1 + self.num_spec_tokens if left == 1 else left
+
     def decoding_requests(self) -> list["Request"]:
         return [r for r in self.running if not r.is_prefill_chunk]
 
@@ -189,21 +202,32 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         produced = request.num_output_tokens + request.num_output_placeholders
         return max(0, request.max_tokens - produced)
 
-    def blocks_needed(self, request: "Request") -> int:
-        """KV blocks for the request's whole life: prompt + max_tokens, and
-        the drafts' lookahead."""
+    def blocks_needed(self, request: "Request") -> list[int]:
+        """KV blocks per cache group for the request's whole life: prompt +
+        max_tokens, and the drafts' lookahead. A group whose blocks leave
+        the attention window (sliding window) needs at most vLLM's own
+        admission cap at a time."""
         num_tokens = min(
             request.num_prompt_tokens + request.max_tokens + self.limits.spec_lookahead,
             self.max_model_len,
         )
-        return cdiv(num_tokens, self.block_size)
+        needed = []
+        for group in self.kv_cache_manager.coordinator.single_type_managers:
+            blocks = cdiv(num_tokens, group.block_size)
+            if (cap := group.max_admission_blocks_per_request) is not None:
+                blocks = min(blocks, cap)
+            needed.append(blocks)
+        return needed
 
     def reserved_blocks(self) -> int:
-        """Blocks promised to running requests but not allocated yet."""
+        """Blocks promised to running requests but not allocated yet, in
+        every cache group (a window's freed blocks are the null block)."""
+        null = self.kv_cache_manager.block_pool.null_block.block_id
         reserved = 0
         for request in self.running:
-            allocated = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-            reserved += max(0, self.blocks_needed(request) - len(allocated))
+            held = self.kv_cache_manager.get_block_ids(request.request_id)
+            for needed, blocks in zip(self.blocks_needed(request), held):
+                reserved += max(0, needed - sum(b != null for b in blocks))
         return reserved
 
     # --- admission -----------------------------------------------------------
@@ -240,8 +264,9 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         if len(self.running) + len(joining) >= self.max_num_running_reqs:
             return False
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        promised = self.reserved_blocks() + sum(map(self.blocks_needed, joining))
-        if free - promised < self.blocks_needed(candidate):
+        promised = self.reserved_blocks()
+        promised += sum(sum(self.blocks_needed(r)) for r in joining)
+        if free - promised < sum(self.blocks_needed(candidate)):
             return False
         decoding = self.decoding_requests()
         batch = [*self.running, *joining, candidate]

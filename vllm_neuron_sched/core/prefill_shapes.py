@@ -17,6 +17,12 @@ A static-shape device compiles one graph per shape. Two kinds:
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_neuron_sched import envs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 ENV = "VLLM_NEURON_SCHED_PREFILL_SHAPES"
 # The default grid: packed rows of powers of two tokens, from this many (or
@@ -76,14 +82,34 @@ class PrefillShape:
         return f"p{self.tokens}" if self.packed else f"{self.rows}x{self.tokens}"
 
 
+def engine_prefill_shapes(vllm_config: "VllmConfig") -> tuple[PrefillShape, ...]:
+    """The engine's prefill shapes (``VLLM_NEURON_SCHED_PREFILL_SHAPES``,
+    checked against its configuration): what the start-up check, the
+    scheduler and the runner all read. With speculative decoding a row holds
+    at least ``1 + K`` tokens: vLLM's scheduler pads a prompt's one-token
+    remainder (a prefix-cache hit) to that many, which it never splits."""
+    scheduler_config = vllm_config.scheduler_config
+    return parse_prefill_shapes(
+        envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
+        scheduler_config.max_num_batched_tokens,
+        scheduler_config.max_num_seqs,
+        vllm_config.model_config.max_model_len,
+        min_row_tokens=1 + vllm_config.num_speculative_tokens,
+    )
+
+
 def parse_prefill_shapes(
-    spec: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+    spec: str,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    min_row_tokens: int = 1,
 ) -> tuple[PrefillShape, ...]:
     """``"pTOKENS"`` (packed) and ``"ROWSxTOKENS"`` items, comma-separated,
-    each checked against the configuration; empty: the default grid. Sorted
-    by size."""
+    each checked against the configuration (``min_row_tokens``: the fewest
+    tokens a row may hold); empty: the default grid. Sorted by size."""
     if not spec.strip():
-        return default_prefill_shapes(max_num_batched_tokens)
+        return default_prefill_shapes(max_num_batched_tokens, min_row_tokens)
     shapes = set()
     for item in spec.split(","):
         text = item.strip().lower()
@@ -111,20 +137,31 @@ def parse_prefill_shapes(
             )
         elif tokens > max_model_len and not shape.packed:
             problem = f"{tokens} tokens per row exceed max_model_len ({max_model_len})"
+        elif tokens < min_row_tokens:
+            problem = (
+                f"{tokens} tokens per row are fewer than 1 + num_speculative_tokens "
+                f"({min_row_tokens}): vLLM pads a prompt's one-token remainder to "
+                "that many when it speculates"
+            )
         if problem:
             raise ValueError(f"{ENV}: shape {item.strip()!r}: {problem}")
         shapes.add(shape)
     return tuple(sorted(shapes, key=_by_size))
 
 
-def default_prefill_shapes(max_num_batched_tokens: int) -> tuple[PrefillShape, ...]:
-    """Packed rows of 16, 32, 64, ... tokens up to the step budget: a burst
-    fills whole steps (no padding), a lone request pads to its power of two,
-    and the device compiles one graph per doubling. The rectangular grid
-    (every power-of-two ``RxT`` within the budget, dozens of graphs) padded
-    10% more tokens on the large model's mixed workload (docs/design.md
-    section 8)."""
-    start = min(_MIN_DEFAULT_TOKENS, max_num_batched_tokens)
+def default_prefill_shapes(
+    max_num_batched_tokens: int, min_row_tokens: int = 1
+) -> tuple[PrefillShape, ...]:
+    """Packed rows of 16, 32, 64, ... tokens up to the step budget (from the
+    first power of two that holds ``min_row_tokens``): a burst fills whole
+    steps (no padding), a lone request pads to its power of two, and the
+    device compiles one graph per doubling. The rectangular grid (every
+    power-of-two ``RxT`` within the budget, dozens of graphs) padded 10% more
+    tokens on the large model's mixed workload (docs/design.md section 8)."""
+    start = _MIN_DEFAULT_TOKENS
+    while start < min_row_tokens:
+        start *= 2
+    start = min(start, max_num_batched_tokens)
     return tuple(
         PrefillShape.packed_row(tokens)
         for tokens in powers_of_two_up_to(max_num_batched_tokens, start)

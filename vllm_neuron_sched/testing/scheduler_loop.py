@@ -278,11 +278,14 @@ def build_scheduler(
     enable_prefix_caching: bool = False,
     num_spec_tokens: int = 0,
     draft_model: bool = False,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     """A scheduler over a fake KV cache of ``num_blocks`` blocks, no engine.
     ``num_spec_tokens``: speculative decoding with that many drafts, n-gram,
     or with ``draft_model`` a draft (the model itself), whose KV lookahead
-    vLLM's scheduler allocates."""
+    vLLM's scheduler allocates. ``sliding_window``: a second KV cache group,
+    of sliding-window layers (a hybrid model, as Gemma's), sharing the
+    blocks."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -296,6 +299,7 @@ def build_scheduler(
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        SlidingWindowSpec,
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -340,20 +344,17 @@ def build_scheduler(
         ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    layer = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.float32}
+    groups = [
+        KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size=block_size, **layer))
+    ]
+    if sliding_window is not None:
+        window = SlidingWindowSpec(
+            block_size=block_size, sliding_window=sliding_window, **layer
+        )
+        groups.append(KVCacheGroupSpec(["layer.1"], window))
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer.0"],
-                FullAttentionSpec(
-                    block_size=block_size,
-                    num_kv_heads=1,
-                    head_size=64,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
     return scheduler_cls(
         vllm_config=vllm_config,

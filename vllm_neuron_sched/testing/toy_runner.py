@@ -128,6 +128,7 @@ def toy_runner(
             is_moe_model=False,
         ),
         speculative_config=None,
+        num_speculative_tokens=0,
         model_config=SimpleNamespace(
             max_model_len=MAX_LEN,
             get_vocab_size=lambda: VOCAB,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from vllm_neuron_sched.core.prefill_shapes import (
     PrefillShape,
+    default_prefill_shapes,
     fitting_shape,
-    parse_prefill_shapes,
     powers_of_two_up_to,
 )
 
@@ -70,20 +70,17 @@ class Buckets:
         decode_spec: str,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        prefill_spec: str = "",
-        max_model_len: int | None = None,
+        prefill_shapes: tuple[PrefillShape, ...] | None = None,
     ) -> "Buckets":
+        """``prefill_shapes``: the engine's (``engine_prefill_shapes``); by
+        default the default grid."""
         start = min(_MIN_PREFILL_BUCKET, max_num_batched_tokens)
-        shapes = parse_prefill_shapes(
-            prefill_spec,
-            max_num_batched_tokens,
-            max_num_seqs,
-            max_model_len or max_num_batched_tokens,
-        )
+        if prefill_shapes is None:
+            prefill_shapes = default_prefill_shapes(max_num_batched_tokens)
         return cls(
             decode=parse_decode_buckets(decode_spec, max_num_seqs),
             prefill=powers_of_two_up_to(max_num_batched_tokens, start),
-            prefill_shapes=shapes,
+            prefill_shapes=prefill_shapes,
         )
 
     def pad_decode(self, num_reqs: int) -> int:

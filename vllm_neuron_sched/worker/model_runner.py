@@ -54,6 +54,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.core.errors import finishes_failed_requests
+from vllm_neuron_sched.core.prefill_shapes import engine_prefill_shapes
 from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
@@ -139,8 +140,7 @@ class NeuronSchedModelRunner:
             envs.VLLM_NEURON_SCHED_DECODE_BUCKETS,
             self.max_num_reqs,
             self.max_num_tokens,
-            envs.VLLM_NEURON_SCHED_PREFILL_SHAPES,
-            self.max_model_len,
+            engine_prefill_shapes(vllm_config),
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.speculation = Speculation.from_config(vllm_config)

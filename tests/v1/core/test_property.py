@@ -148,10 +148,12 @@ class CheckingRunner(FakeRunner):
     def execute(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
         self.outputs.append(so)
         for req_id in so.num_scheduled_tokens:
-            held = len(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-            reserved = scheduler.blocks_needed(scheduler.requests[req_id])
-            if held > reserved:
-                self.overdrawn.append((len(self.outputs) - 1, req_id, held, reserved))
+            groups = scheduler.kv_cache_manager.get_block_ids(req_id)
+            needed = scheduler.blocks_needed(scheduler.requests[req_id])
+            for blocks, reserved in zip(groups, needed):
+                if len(blocks) > reserved:
+                    step = len(self.outputs) - 1
+                    self.overdrawn.append((step, req_id, len(blocks), reserved))
         return super().execute(so, scheduler)
 
 
@@ -196,13 +198,15 @@ def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
     tkv_limit = draw(st.just(0) | st.integers(largest, 2 * largest))
     shapes = draw(st.sampled_from(["", f"1x{chunk_size}", "random"]))
     if shapes == "random":
+        # A row holds a one-token rest padded with placeholder drafts.
+        fewest = 1 + num_spec_tokens
         grid = set()
         for _ in range(draw(st.integers(1, 3))):
             if draw(st.booleans()):  # packed: any number of requests in a row
-                grid.add(f"p{draw(st.integers(1, chunk_size))}")
+                grid.add(f"p{draw(st.integers(fewest, chunk_size))}")
                 continue
-            rows = draw(st.integers(1, max_num_seqs))
-            grid.add(f"{rows}x{draw(st.integers(1, chunk_size // rows))}")
+            rows = draw(st.integers(1, min(max_num_seqs, chunk_size // fewest)))
+            grid.add(f"{rows}x{draw(st.integers(fewest, chunk_size // rows))}")
         shapes = ",".join(sorted(grid))
     return Workload(
         tuple(specs),
