@@ -311,6 +311,63 @@ def test_blocks_reserved_for_prompt_and_max_tokens(
 
 
 @MODES
+def test_blocks_reserved_in_every_kv_cache_group(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """A hybrid model's full-attention and sliding-window layers take blocks
+    from one pool, a group each: a 20+40 request needs 4 in each. With 9
+    usable blocks the second waits for the first, and nothing is preempted
+    or stalls (counting one group, both started together, and vLLM could
+    not grow them)."""
+    events = arrive((0, req("a", 20, 40)), (0, req("b", 20, 40)))
+    scheduler, runner, result = run(
+        mode,
+        checkpoint_dir,
+        events,
+        num_blocks=10,
+        block_size=16,
+        sliding_window=32,
+    )
+    assert len(scheduler.kv_cache_config.kv_cache_groups) == 2
+    assert min(steps_of(runner, "b")) > max(steps_of(runner, "a"))
+    for so in runner.outputs:
+        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
+    for req_id in "ab":
+        assert result.tokens[req_id] == expected_tokens(req_id, 40, runner)
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_a_declined_prefill_step_lets_the_decodes_run(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """Were vLLM's scheduler to decline a planned prefill step (KV blocks
+    admission did not foresee), the decodes go on; the prefill follows."""
+    scheduler = build_scheduler(
+        mode.cls, checkpoint_dir, async_scheduling=mode.is_async
+    )
+    manager = scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+    declined: list[str] = []
+
+    def allocate_once_short(request: Request, *args, **kwargs):
+        if request.request_id == "b" and not declined:
+            declined.append(request.request_id)
+            return None  # no room, this once
+        return allocate(request, *args, **kwargs)
+
+    manager.allocate_slots = allocate_once_short
+    runner = RecordingRunner()
+    events = arrive((0, req("a", 8, 12)), (3, req("b", 8, 12)))
+    result = mode.loop(scheduler, runner, events)
+    assert declined == ["b"]
+    kinds = step_kinds(runner)
+    assert kinds[kinds.index("idle") + 1] == "decode"
+    for req_id in "ab":
+        assert result.tokens[req_id] == expected_tokens(req_id, 12, runner)
+
+
+@MODES
 def test_a_group_is_admitted_only_as_far_as_every_member_fits(
     mode: Mode, checkpoint_dir: str
 ) -> None:
@@ -472,6 +529,39 @@ def test_a_failed_prompt_chunk_leaves_the_prefix_cache(
         mode, checkpoint_dir, events, runner=runner, enable_prefix_caching=True
     )
     assert result.finish_reasons == {"victim": "error", "again": "length"}
+    again = [s.scheduled["again"] for s in runner.steps if "again" in s.scheduled]
+    assert again[0][0] == 0, f"prefix hit on failed blocks: {again}"
+    assert_blocks_all_free(scheduler, runner)
+
+
+@MODES
+def test_a_failed_chunk_of_an_aborted_request_leaves_the_prefix_cache(
+    mode: Mode, checkpoint_dir: str
+) -> None:
+    """The victim's client goes away while its first prompt chunk is on the
+    device (the engine applies the abort before it reads the step), and the
+    chunk fails: the blocks it was to fill, which vLLM registered when it
+    scheduled it and freed with the abort, must not serve a later hit."""
+    prompt = [fake_token("p", i, VOCAB) for i in range(48)]
+
+    def same_prompt(req_id: str) -> Request:
+        return make_request(req_id, 48, 4, prompt=prompt, block_size=16)
+
+    class AbortingRunner(FailingRunner):
+        def execute(self, so: SchedulerOutput, scheduler: Scheduler):
+            output = super().execute(so, scheduler)
+            if self.failed_step is so:
+                scheduler.finish_requests("victim", RequestStatus.FINISHED_ABORTED)
+            return output
+
+    runner = AbortingRunner(runs("victim"))
+    events = arrive((0, same_prompt("victim")))
+    events.arrivals[8] = [same_prompt("again")]
+    scheduler, _, result = run(
+        mode, checkpoint_dir, events, runner=runner, enable_prefix_caching=True
+    )
+    assert runner.failed_step is not None
+    assert result.finish_reasons["again"] == "length"
     again = [s.scheduled["again"] for s in runner.steps if "again" in s.scheduled]
     assert again[0][0] == 0, f"prefix hit on failed blocks: {again}"
     assert_blocks_all_free(scheduler, runner)
