@@ -59,3 +59,67 @@ def test_preempted_request_resumes_with_same_tokens(stepper: EngineStepper) -> N
         assert any(row.waiting == ("p2",) for row in rows), table
     else:
         assert preempted, f"the KV budget should force a preemption\n{table}"
+
+
+# --- preempted all at once: reset_prefix_cache with requests running --------
+
+NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+ROW = 64  # max_num_batched_tokens: the largest packed prefill row
+RESET_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": ROW, "block_size": 32}
+
+
+@pytest.fixture(scope="module", params=["async", "async_ngram"])
+def reset_stepper(request, checkpoint_dir: str) -> Iterator[EngineStepper]:
+    extra = {}
+    if request.param == "async_ngram":
+        extra["speculative_config"] = {"method": "ngram_gpu", **NGRAM}
+    engine = EngineStepper(
+        checkpoint_dir,
+        async_scheduling=True,
+        eos_token_id=1,
+        force_tokens=False,
+        **RESET_ENGINE,
+        **extra,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_reset_prefix_cache_mid_run_keeps_every_token(
+    reset_stepper: EngineStepper,
+) -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` (``LLM``'s, the
+    dev endpoint's, ``pause_generation(mode="keep")``'s) preempts every
+    running request in vLLM's drop mode: the step in flight for it is
+    discarded, and it runs its prompt and the outputs kept again as prompt
+    chunks. Reset once where A's re-prefill is one packed step (it samples
+    at once, while the discarded step is unread) and once where it ends one
+    token past a full row, a rest that shares a step with B's chunk: both
+    get the tokens they get without resets."""
+    stepper = reset_stepper
+    requests = [Req(name, n, 48, ignore_eos=True) for name, n in (("A", 40), ("B", 20))]
+    _, alone = stepper.run(requests)
+
+    resets: list[int] = []
+
+    def reset_where_a_resumes_at_a_seam(step: int) -> None:
+        a = next(
+            (r for r in stepper.scheduler.requests.values() if r.request_id[0] == "A"),
+            None,
+        )
+        if a is None or a.is_prefill_chunk or not a.num_output_placeholders:
+            return  # A must be decoding, with a step in flight
+        total = a.num_tokens  # prompt + outputs delivered: the re-prefill
+        one_step = not resets and ROW - 20 < total <= ROW
+        one_past = len(resets) == 1 and total % ROW == 1
+        if one_step or one_past:
+            resets.append(total)
+            stepper.engine.reset_prefix_cache(reset_running_requests=True)
+
+    rows, client = stepper.run(requests, between_steps=reset_where_a_resumes_at_a_seam)
+    table = format_table(rows)
+    assert len(resets) == 2, f"resets at {resets}\n{table}"
+    assert any(row.preempted for row in rows), table
+    for req in requests:
+        assert client.tokens[req.req_id] == alone.tokens[req.req_id], table
+        assert client.finish_reason[req.req_id] == "length", table

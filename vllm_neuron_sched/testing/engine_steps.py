@@ -65,6 +65,7 @@ class Req:
     abort_at: int | None = None
     # The prompt's token ids; None: made from the request id (prompt_len).
     prompt: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     def prompt_token_ids(self) -> list[int]:
         if self.prompt is not None:
@@ -116,8 +117,11 @@ class EngineStepper:
         *,
         async_scheduling: bool,
         eos_token_id: int,
+        force_tokens: bool = True,
         **engine_kwargs: Any,
     ) -> None:
+        """``force_tokens``: with the ``ForceTokens`` logits processor
+        (``Req.eos_at``), which vLLM refuses with speculative decoding."""
         import vllm.envs as vllm_envs
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -125,7 +129,7 @@ class EngineStepper:
         args = EngineArgs(
             model=model,
             async_scheduling=async_scheduling,
-            logits_processors=[FORCE_TOKENS_FQCN],
+            logits_processors=[FORCE_TOKENS_FQCN] if force_tokens else None,
             **{
                 "dtype": "float32",
                 "max_model_len": 256,
@@ -182,9 +186,11 @@ class EngineStepper:
         requests: Sequence[Req],
         max_steps: int = 200,
         before_step: Mapping[int, Callable[[], None]] | None = None,
+        between_steps: Callable[[int], None] | None = None,
     ) -> tuple[list[Row], Client]:
         """Adds, aborts and steps until every request has finished;
-        ``before_step[i]`` runs before engine call i, after its arrivals."""
+        ``before_step[i]`` runs before engine call i, after its arrivals, and
+        ``between_steps(i)`` before every call i."""
         client = Client()
         rows: list[Row] = []
         base = self.counters()
@@ -198,6 +204,8 @@ class EngineStepper:
                     pending.discard(req.req_id)
             if before_step and step in before_step:
                 before_step[step]()
+            if between_steps is not None:
+                between_steps(step)
             if not pending and not self.engine.has_unfinished_requests():
                 break
             self._scheduled.clear()
@@ -229,6 +237,7 @@ class EngineStepper:
         params = SamplingParams(
             temperature=0.0,
             max_tokens=req.max_tokens,
+            ignore_eos=req.ignore_eos,
             stop=list(req.stop),
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,

@@ -81,6 +81,10 @@ class StepUpdate:
 
     # [num_reqs] each batch row's token slot.
     token_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # [num_reqs] tokens each row runs as prompt chunks, all known on the
+    # host: its prompt, or after a preemption its prompt and the outputs it
+    # runs again. A row past them decodes: its input is a sampled token.
+    prompt_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # Requests that left, with their histories (may still end in placeholders).
     finished: list[tuple[str, list[int]]] = field(default_factory=list)
     # Prompt chunks whose logprobs the forward computes, and the buffers that
@@ -124,6 +128,9 @@ class HostRequestState:
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
         self.requests: dict[str, CachedRequestState] = {}
+        # req_id -> tokens a preempted request runs as prompt chunks again
+        # (its prompt and the outputs the scheduler kept).
+        self.resumed_prompt_lens: dict[str, int] = {}
         # req_id -> prompt logprobs wanted, until its last prompt chunk ran.
         self.num_prompt_logprobs: dict[str, int] = {}
         self.input_batch: InputBatch | None = None
@@ -163,6 +170,7 @@ class HostRequestState:
                 self.slots.release(req_id)
                 update.finished.append((req_id, state.output_token_ids))
             self.num_prompt_logprobs.pop(req_id, None)
+            self.resumed_prompt_lens.pop(req_id, None)
             batch.remove_request(req_id)
 
         cached = scheduler_output.scheduled_cached_reqs
@@ -179,17 +187,22 @@ class HostRequestState:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             num_output_tokens = cached.num_output_tokens[i]
             scheduled_num_tokens[req_id] = state.num_prompt_tokens + num_output_tokens
-            if num_output_tokens < len(state.output_token_ids):
-                del state.output_token_ids[num_output_tokens:]
             new_block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # Preempted: it runs its prompt and the outputs the scheduler
+                # kept again, as prompt chunks, from a history of its own.
                 state.block_ids = new_block_ids
-            elif new_block_ids is not None:
-                for ids, new_ids in zip(state.block_ids, new_block_ids):
-                    ids.extend(new_ids)
+                _resume_history(state, cached.all_token_ids, num_output_tokens)
+                self.resumed_prompt_lens[req_id] = (
+                    state.num_prompt_tokens + num_output_tokens
+                )
+            else:
+                del state.output_token_ids[num_output_tokens:]
+                if new_block_ids is not None:
+                    for ids, new_ids in zip(state.block_ids, new_block_ids):
+                        ids.extend(new_ids)
             row = batch.req_id_to_index.get(req_id)
             if row is None:
-                _recover_output_tokens(state, cached.all_token_ids, num_output_tokens)
                 to_add.append(state)
                 continue
             batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
@@ -203,6 +216,14 @@ class HostRequestState:
         batch.refresh_metadata()
         req_ids = list(batch.req_ids)
         update.token_slots = self.slots.of(req_ids)
+        update.prompt_lens = np.fromiter(
+            (
+                self.resumed_prompt_lens.get(r, self.requests[r].num_prompt_tokens)
+                for r in req_ids
+            ),
+            dtype=np.int64,
+            count=len(req_ids),
+        )
         if self.speculates:
             update.scheduled_num_tokens = np.fromiter(
                 (
@@ -375,11 +396,17 @@ def _first_placeholder(history: list[int]) -> int | None:
         return None
 
 
-def _recover_output_tokens(
+def _resume_history(
     state: CachedRequestState, all_token_ids: dict[str, list[int]], num_output: int
 ) -> None:
-    """A request re-joining the batch: keep our exact history, or take the
-    scheduler's if ours still holds placeholders (it was preempted)."""
-    known = all_token_ids.get(state.req_id)
-    if num_output and known and PLACEHOLDER_TOKEN_ID in state.output_token_ids:
-        state.output_token_ids = known[-num_output:]
+    """A preempted request's history from now on: the outputs the scheduler
+    kept, as a new list. A step that sampled for it before the preemption
+    may still be in flight, and vLLM may drop that output (a same-step
+    resume): when the step retires, its placeholder is filled in the old
+    list, never at the position the re-prefill samples again."""
+    history = state.output_token_ids[:num_output]
+    if PLACEHOLDER_TOKEN_ID in history:
+        # Tokens the scheduler has and this worker has not retired yet.
+        prompt = state.num_prompt_tokens
+        history = list(all_token_ids[state.req_id][prompt : prompt + num_output])
+    state.output_token_ids = history

@@ -142,7 +142,6 @@ def build_step_inputs(
     num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int64)
     num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
     num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
-    num_prompt = batch.num_prompt_tokens[:num_reqs]
 
     speculates = scheduled_drafts is not None
     num_drafts = np.array(
@@ -154,7 +153,7 @@ def build_step_inputs(
         num_queries = 1 + num_drafts
         num_known = update.scheduled_num_tokens
     is_decode_row = (num_scheduled == num_queries) & (num_computed + 1 == num_known)
-    is_decode_row &= num_computed >= num_prompt
+    is_decode_row &= num_computed >= update.prompt_lens
     shape = BatchShape.of((~is_decode_row).tolist())
     if speculates and shape is BatchShape.DECODE:
         plan = plan_verify(
