@@ -18,6 +18,7 @@ from vllm_neuron_sched import envs
 from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.core.limits import RequestLimits
 from vllm_neuron_sched.metrics import setup_metrics_export
+from vllm_neuron_sched.unsupported import check_config, request_error
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
@@ -168,6 +169,13 @@ class NeuronSchedPlatform(CpuPlatform):
 
         requested_async = bool(scheduler_config.async_scheduling)
         user_worker = parallel_config.worker_cls != "auto"
+        is_pooling = model_config is not None and model_config.runner_type == "pooling"
+        runs_our_runner = parallel_config.worker_cls in ("auto", WORKER)
+        if runs_our_runner and not is_pooling and model_config is not None:
+            # Our runner runs: what it does not run is refused first. It
+            # speaks vLLM's V1 runner protocol, so V2 only where asked for.
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            check_config(vllm_config)
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
             cache_config.user_specified_block_size = True
@@ -175,7 +183,6 @@ class NeuronSchedPlatform(CpuPlatform):
         super().check_and_update_config(vllm_config)
         check_thread_binding(workers_on_this_node(parallel_config))
 
-        is_pooling = model_config is not None and model_config.runner_type == "pooling"
         if is_pooling and requested_async:
             logger.info_once(
                 "Async scheduling is off for pooling models: a pooling step "
@@ -235,6 +242,8 @@ class NeuronSchedPlatform(CpuPlatform):
         super().validate_request(processed_inputs, params)
         prompt_ids = processed_inputs.get("prompt_token_ids") or []
         max_tokens = getattr(params, "max_tokens", None)
+        if error := request_error(params):
+            raise ValueError(error)
         errors = [
             limits.check(len(prompt_ids), max_tokens) or limits.check_sampling(params)
             for limits in cls._request_limits.values()

@@ -29,6 +29,8 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_neuron_sched.unsupported import STOCK, request_error
+
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -69,6 +71,13 @@ class ErrorFinishMixin:
         error = self.limits.check(request.num_prompt_tokens, request.max_tokens)
         if error is None and request.sampling_params is not None:
             error = self.limits.check_sampling(request.sampling_params)
+            error = error or request_error(request.sampling_params)
+        if error is None and request.resumable:
+            error = (
+                "streaming-input sessions (a prompt from an async generator) are "
+                f"not supported by vllm_neuron_sched: send whole prompts, or use "
+                f"{STOCK}"
+            )
         if error is not None:
             logger.warning("Rejecting request %s: %s", request.request_id, error)
             self._errored.extend(

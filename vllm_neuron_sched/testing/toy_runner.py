@@ -133,6 +133,7 @@ def toy_runner(
             max_model_len=MAX_LEN,
             get_vocab_size=lambda: VOCAB,
             logprobs_mode="raw_logprobs",
+            use_fp64_gumbel=False,
             runner_type="generate",
             logits_processors=None,
         ),

@@ -125,10 +125,6 @@ class NeuronSchedModelRunner:
         device: "Device",
         torch_device: torch.device | None = None,
     ) -> None:
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("vllm_neuron_sched does not support pipeline parallel")
-        if getattr(vllm_config, "kv_transfer_config", None) is not None:
-            raise ValueError("vllm_neuron_sched does not support KV transfer")
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         scheduler_config = vllm_config.scheduler_config
@@ -142,7 +138,10 @@ class NeuronSchedModelRunner:
             self.max_num_tokens,
             engine_prefill_shapes(vllm_config),
         )
-        self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.sampler = Sampler(
+            logprobs_mode=self.model_config.logprobs_mode,
+            use_fp64_gumbel=self.model_config.use_fp64_gumbel,
+        )
         self.speculation = Speculation.from_config(vllm_config)
         # Proposes the drafts on the device; a draft model also runs its
         # forward after every prefill forward.

@@ -88,6 +88,7 @@ class Speculation:
                 f"{', '.join(map(repr, METHODS))}; 'ngram_gpu' keeps async "
                 f"scheduling on); got method {config.method!r}"
             )
+        _check_options(config)
         max_model_len = vllm_config.model_config.max_model_len
         if config.method == DRAFT_MODEL:
             _check_draft_model(vllm_config)
@@ -108,6 +109,32 @@ class Speculation:
         return self.max_model_len + 1 + self.num_tokens
 
 
+def _check_options(config: Any) -> None:
+    """Options of vLLM's own verify step and proposers that these do not
+    run: refused, never ignored."""
+    refused = []
+    if config.rejection_sample_method != "standard":
+        refused.append(
+            f"rejection_sample_method {config.rejection_sample_method!r} (drafts "
+            "are verified by standard rejection sampling)"
+        )
+    if config.draft_sample_method != "greedy":
+        refused.append(
+            f"draft_sample_method {config.draft_sample_method!r} (a draft model "
+            "proposes its greedy choices)"
+        )
+    if config.parallel_drafting:
+        refused.append("parallel_drafting (a draft model drafts one token a pass)")
+    for name in ("moe_backend", "attention_backend", "kv_cache_dtype"):
+        if getattr(config, name, None) is not None:
+            refused.append(f"{name} (the draft model runs with the model's)")
+    if refused:
+        raise ValueError(
+            "vllm_neuron_sched does not run these speculative_config options: "
+            + "; ".join(refused)
+        )
+
+
 def _check_draft_model(vllm_config: "VllmConfig") -> None:
     """What the draft's forwards need: its vocabulary is the target's (the
     verify step compares token ids), and it is sharded like the target (its
@@ -120,6 +147,14 @@ def _check_draft_model(vllm_config: "VllmConfig") -> None:
             "only (speculative_config 'use_heterogeneous_vocab' is not supported)"
         )
     config.verify_equal_vocab_size_if_draft_model()
+    target_len = vllm_config.model_config.max_model_len
+    draft_len = config.draft_model_config.max_model_len
+    if draft_len < target_len:
+        raise ValueError(
+            f"the draft model's max_model_len ({draft_len}) is below the model's "
+            f"({target_len}): vllm_neuron_sched drafts at every position the "
+            f"model runs; set --max-model-len {draft_len} or less"
+        )
     target_tp = vllm_config.parallel_config.tensor_parallel_size
     draft_tp = config.draft_parallel_config.tensor_parallel_size
     if draft_tp != target_tp:
@@ -629,7 +664,8 @@ def rejection_sample(
         )
         random_accept = uniform < probs.gather(1, draft_ids[:, None])[:, 0]
         residual = probs.scatter(1, draft_ids[:, None], 0.0)
-        noise = torch.empty((rows, probs.shape[1])).exponential_()
+        noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
+        noise = torch.empty((rows, probs.shape[1]), dtype=noise_dtype).exponential_()
         for row, generator in metadata.generators.items():
             if counts[row]:
                 noise[row].exponential_(generator=generator)
