@@ -129,6 +129,9 @@ class NeuronSchedPlatform(CpuPlatform):
     # this process (set in check_and_update_config, dropped with the config):
     # read by validate_request, which vLLM calls without the configuration.
     _request_limits: dict[int, RequestLimits] = {}
+    # id(VllmConfig) -> the configuration, whose max_model_len vLLM lowers to
+    # what the KV cache holds (max_model_len=-1) after the check.
+    _configs: dict[int, "weakref.ref[VllmConfig]"] = {}
     # Workers on this node; set by each of our workers for its own process.
     _workers_per_node: int = 1
 
@@ -208,7 +211,9 @@ class NeuronSchedPlatform(CpuPlatform):
         if model_config is not None:
             key = id(vllm_config)
             cls._request_limits[key] = RequestLimits.from_config(vllm_config)
+            cls._configs[key] = weakref.ref(vllm_config)
             weakref.finalize(vllm_config, cls._request_limits.pop, key, None)
+            weakref.finalize(vllm_config, cls._configs.pop, key, None)
         logger.info(
             "vllm_neuron_sched: async_scheduling=%s scheduler=%s worker=%s",
             scheduler_config.async_scheduling,
@@ -246,7 +251,19 @@ class NeuronSchedPlatform(CpuPlatform):
             raise ValueError(error)
         errors = [
             limits.check(len(prompt_ids), max_tokens) or limits.check_sampling(params)
-            for limits in cls._request_limits.values()
+            for limits in cls._live_request_limits()
         ]
         if errors and all(errors):
             raise ValueError(errors[-1])
+
+    @classmethod
+    def _live_request_limits(cls) -> list[RequestLimits]:
+        """Each configuration's limits, made again where vLLM has lowered its
+        max_model_len since they were made."""
+        for key, limits in list(cls._request_limits.items()):
+            config = cls._configs[key]()
+            if config is not None and (
+                config.model_config.max_model_len != limits.max_model_len
+            ):
+                cls._request_limits[key] = RequestLimits.from_config(config)
+        return list(cls._request_limits.values())

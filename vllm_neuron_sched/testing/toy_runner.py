@@ -152,7 +152,7 @@ def toy_runner(
     rank_zero = SimpleNamespace(rank_in_group=0, world_size=1)
     runner = NeuronSchedModelRunner(config, rank_zero, make_device(label="tp0"))  # type: ignore[arg-type]
     runner.model = ToyModel(repeat_bias, max_delay_s)
-    batch = runner.host.allocate_batch([16], LogitsProcessors())
+    batch = runner.host.allocate_batch([16], MAX_LEN, LogitsProcessors())
     MainThreadOnlyArray.foreign_writers.clear()
     batch.token_ids_cpu = batch.token_ids_cpu.view(MainThreadOnlyArray)
     batch.num_tokens_no_spec = batch.num_tokens_no_spec.view(MainThreadOnlyArray)

@@ -55,8 +55,8 @@ class DraftModel:
         self, vllm_config: "VllmConfig", speculation: Speculation, buckets: "Buckets"
     ) -> None:
         self.vllm_config = vllm_config
+        self.speculation = speculation
         self.num_tokens = speculation.num_tokens
-        self.max_model_len = speculation.max_model_len
         self.buckets = buckets
         self.model: Any = None
         self.groups: list[AttentionGroup] = []
@@ -119,7 +119,7 @@ class DraftModel:
             self.model,
             self.vllm_config,
             input_ids,
-            positions.clamp(max=self.max_model_len - 1),
+            positions.clamp(max=self.speculation.max_model_len - 1),
             attn_inputs,
             slot_mapping,
             num_tokens_padded,
@@ -151,10 +151,12 @@ class DraftModel:
             positions = padded_positions(num_rows, 1)
             positions[:rows, 0] = position
             is_real = torch.zeros((num_rows, 1), dtype=torch.bool)
-            is_real[:rows, 0] = real_rows & (position < self.max_model_len)
+            is_real[:rows, 0] = real_rows & (position < self.speculation.max_model_len)
             drafts.append(self._greedy(ids, positions, is_real, accepted.tables, real))
         # As many drafts as fit before max_model_len (the n-gram rule).
-        limit = (self.max_model_len - known).clamp(min=0, max=self.num_tokens)
+        limit = (self.speculation.max_model_len - known).clamp(
+            min=0, max=self.num_tokens
+        )
         tokens.drafts[accepted.slots] = torch.stack(drafts, dim=1).to(torch.int32)
         tokens.draft_counts[accepted.slots] = torch.where(real_rows, limit, 0)
 

@@ -115,7 +115,6 @@ class HostRequestState:
         table: DeviceTokens,
         vocab_size: int,
         max_num_reqs: int,
-        max_model_len: int,
         max_num_tokens: int,
         speculates: bool = False,
     ) -> None:
@@ -125,7 +124,6 @@ class HostRequestState:
         self.speculates = speculates
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
-        self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
         self.requests: dict[str, CachedRequestState] = {}
         # req_id -> tokens a preempted request runs as prompt chunks again
@@ -136,18 +134,22 @@ class HostRequestState:
         self.input_batch: InputBatch | None = None
 
     def allocate_batch(
-        self, block_sizes: list[int], logitsprocs: "LogitsProcessors", **kwargs: Any
+        self,
+        block_sizes: list[int],
+        max_model_len: int,
+        logitsprocs: "LogitsProcessors",
+        **kwargs: Any,
     ) -> InputBatch:
         """The persistent batch, once the KV cache's block sizes are known.
         ``kwargs``: more of ``InputBatch``'s arguments."""
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
+            max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_tokens,
             device=torch.device("cpu"),
             vocab_size=self.vocab_size,
             block_sizes=block_sizes,
-            max_num_blocks_per_req=[cdiv(self.max_model_len, bs) for bs in block_sizes],
+            max_num_blocks_per_req=[cdiv(max_model_len, bs) for bs in block_sizes],
             logitsprocs=logitsprocs,
             **kwargs,
         )

@@ -131,7 +131,6 @@ class NeuronSchedModelRunner:
         self.is_async = bool(scheduler_config.async_scheduling)
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
-        self.max_model_len = self.model_config.max_model_len
         self.buckets = Buckets.from_limits(
             envs.VLLM_NEURON_SCHED_DECODE_BUCKETS,
             self.max_num_reqs,
@@ -180,7 +179,6 @@ class NeuronSchedModelRunner:
             self.token_table,
             self.model_config.get_vocab_size(),
             self.max_num_reqs,
-            self.max_model_len,
             self.max_num_tokens,
             speculates=spec is not None,
         )
@@ -235,6 +233,7 @@ class NeuronSchedModelRunner:
         processors = self.model_config.logits_processors
         self.host.allocate_batch(
             block_sizes,
+            self.max_model_len,
             build_logitsprocs(
                 self.vllm_config,
                 torch.device("cpu"),
@@ -254,8 +253,15 @@ class NeuronSchedModelRunner:
         self.device.enqueue(self._dummy_forward, self.max_num_tokens).result()
         logger.info("Warming up done.")
 
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's, which it lowers when the KV cache cannot hold the model's
+        (``max_model_len=-1``) before any step runs."""
+        return self.model_config.max_model_len
+
     def update_max_model_len(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
+        """The worker has set it in the config, which everything here reads."""
+        assert max_model_len == self.max_model_len
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The newest sampling step's drafts, which came back with its output.

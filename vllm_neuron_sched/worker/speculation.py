@@ -71,7 +71,9 @@ class Speculation:
 
     method: str
     num_tokens: int  # K: drafts per verify row
-    max_model_len: int
+    # The model's config, whose max_model_len vLLM may lower once the KV
+    # cache is sized (update_max_model_len): read, never copied.
+    model_config: Any
     min_n: int = 0  # n-gram methods
     max_n: int = 0
 
@@ -89,19 +91,23 @@ class Speculation:
                 f"scheduling on); got method {config.method!r}"
             )
         _check_options(config)
-        max_model_len = vllm_config.model_config.max_model_len
+        model_config = vllm_config.model_config
         if config.method == DRAFT_MODEL:
             _check_draft_model(vllm_config)
-            return cls(config.method, config.num_speculative_tokens, max_model_len)
+            return cls(config.method, config.num_speculative_tokens, model_config)
         assert config.prompt_lookup_min is not None
         assert config.prompt_lookup_max is not None
         return cls(
             config.method,
             config.num_speculative_tokens,
-            max_model_len,
+            model_config,
             min_n=config.prompt_lookup_min,
             max_n=config.prompt_lookup_max,
         )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
 
     @property
     def history_len(self) -> int:
