@@ -25,9 +25,8 @@ from vllm_neuron_sched.testing.server import (
 from vllm_neuron_sched.testing.workloads import (
     SERVER_ENGINE,
     SERVER_MAX_TOKENS,
-    SERVER_PROMPT_LENGTHS,
     STOCK_ENV,
-    token_prompts,
+    server_prompts,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -36,7 +35,7 @@ DP = 2
 ENGINE = SERVER_ENGINE
 MAX_TOKENS = SERVER_MAX_TOKENS
 # The prompts and oracle engine of test_serve_tp4.py: one stock run for both.
-PROMPTS = token_prompts(SERVER_PROMPT_LENGTHS)
+PROMPTS = server_prompts()
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,16 @@ from vllm_neuron_sched.testing.oracle import (
 )
 from vllm_neuron_sched.testing.workloads import (
     MIXED_BUDGETS,
-    MIXED_LENGTHS,
     SMALL_ENGINE,
     STOCK_ENV,
     greedy,
     mixed_greedy,
+    mixed_prompts,
     token_prompts,
 )
 
 pytestmark = pytest.mark.slow
 
-PROMPT_LENGTHS = MIXED_LENGTHS
 MAX_TOKENS = MIXED_BUDGETS
 ENGINE = SMALL_ENGINE
 NUM_LOGPROBS = 3
@@ -41,7 +40,7 @@ TOLERANCE = 1e-4
 
 
 def _prompts() -> list[list[int]]:
-    return token_prompts(PROMPT_LENGTHS)
+    return mixed_prompts()
 
 
 def _greedy_params() -> list[dict[str, Any]]:

@@ -32,8 +32,7 @@ from vllm_neuron_sched.testing.server import (
 from vllm_neuron_sched.testing.workloads import (
     SERVER_ENGINE,
     SERVER_MAX_TOKENS,
-    SERVER_PROMPT_LENGTHS,
-    token_prompts,
+    server_prompts,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -43,7 +42,7 @@ NODES = 2
 ENGINE = SERVER_ENGINE
 MAX_TOKENS = SERVER_MAX_TOKENS
 COLLECTIVE_TIMEOUT_S = 60
-PROMPTS = token_prompts(SERVER_PROMPT_LENGTHS)
+PROMPTS = server_prompts()
 
 
 @pytest.fixture(scope="module")

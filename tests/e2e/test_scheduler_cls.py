@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_scheduler_cls_matches_stock_vllm(checkpoint_dir: str) -> None:
-    prompts = workloads.token_prompts(workloads.MIXED_LENGTHS)
+    prompts = workloads.mixed_prompts()
     sampling = workloads.mixed_greedy()  # test_generate.py's stock run serves too
     ours_engine = {
         **workloads.SMALL_ENGINE,

@@ -36,10 +36,9 @@ from vllm_neuron_sched.testing.server import (
 from vllm_neuron_sched.testing.soak import run_soak
 from vllm_neuron_sched.testing.workloads import (
     SERVER_MAX_TOKENS,
-    SERVER_PROMPT_LENGTHS,
     SOAK_ENGINE,
     STOCK_ENV,
-    token_prompts,
+    server_prompts,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -51,11 +50,10 @@ ENGINE = SOAK_ENGINE
 NUM_SOAK_REQUESTS = 40
 START_TIMEOUT_S = 300
 MAX_TOKENS = SERVER_MAX_TOKENS
-PROMPT_LENGTHS = SERVER_PROMPT_LENGTHS
 
 
 def _prompts() -> list[list[int]]:
-    return token_prompts(PROMPT_LENGTHS)
+    return server_prompts()
 
 
 @pytest.fixture(scope="module")

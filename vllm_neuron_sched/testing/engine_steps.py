@@ -135,7 +135,6 @@ class EngineStepper:
                 "max_model_len": 256,
                 "max_num_seqs": 4,
                 "max_num_batched_tokens": 64,
-                "enable_prefix_caching": False,
                 "enforce_eager": True,
                 "seed": 0,
                 **engine_kwargs,

@@ -33,18 +33,23 @@ SERVER_ENGINE: dict[str, Any] = {
 }
 # The soaks' servers (``testing/soak.py``): 16 clients at a time all run.
 SOAK_ENGINE: dict[str, Any] = {**SERVER_ENGINE, "max_num_seqs": 16}
-# Lengths cross a KV block (64 tokens) and differ: requests end at different steps.
-SERVER_PROMPT_LENGTHS = [5, 33, 70, 12]
+# The KV block of the test engines (our default).
+BLOCK = 64
+# Lengths cross a KV block and differ: requests end at different steps. The
+# last shares the 70-token prompt's first block and ends one token past it.
+SERVER_PROMPT_LENGTHS = [5, 33, 70, 12, 65]
 SERVER_MAX_TOKENS = 16
-# One KV block (64 tokens) and two, plus one: a repeat of such a prompt hits
-# the prefix cache for all but its last token, which vLLM pads with
-# placeholder drafts when the engine speculates.
-PREFIX_HIT_LENGTHS = [65, 129]
-# Prompt lengths across the 32-token chunk size and budgets that differ: five
-# requests over four sequence slots finish at different steps and later ones
-# join a running batch.
-MIXED_LENGTHS = [5, 33, 70, 12, 47]
-MIXED_BUDGETS = [12, 20, 8, 16, 10]
+# One KV block and two, plus one: a repeat of such a prompt hits the prefix
+# cache for all but its last token, which vLLM pads with placeholder drafts
+# when the engine speculates.
+PREFIX_HIT_LENGTHS = [BLOCK + 1, 2 * BLOCK + 1]
+# Prompt lengths across the 32-token chunk size and budgets that differ:
+# seven requests over four sequence slots finish at different steps and
+# later ones join a running batch. The last two share the 70-token prompt's
+# first block (a prefix-cache hit once it is registered): one ends a token
+# past it, one a block.
+MIXED_LENGTHS = [5, 33, 70, 12, 47, *PREFIX_HIT_LENGTHS]
+MIXED_BUDGETS = [12, 20, 8, 16, 10, 9, 14]
 
 
 def token_prompts(
@@ -52,6 +57,27 @@ def token_prompts(
 ) -> list[list[int]]:
     """One token-id prompt per length (ids 10..909: no special tokens)."""
     return [[(stride * i + salt * n) % 900 + 10 for i in range(n)] for n in lengths]
+
+
+def sharing_prompts(lengths: list[int]) -> list[list[int]]:
+    """``token_prompts``, where every prompt longer than a KV block after
+    the first such one starts with that one's first block."""
+    prompts = token_prompts(lengths)
+    first = next(p for p in prompts if len(p) > BLOCK)
+    for prompt in prompts:
+        if len(prompt) > BLOCK:
+            prompt[:BLOCK] = first[:BLOCK]
+    return prompts
+
+
+def mixed_prompts() -> list[list[int]]:
+    """The prompts of ``MIXED_LENGTHS``, sharing a block."""
+    return sharing_prompts(MIXED_LENGTHS)
+
+
+def server_prompts() -> list[list[int]]:
+    """The prompts of ``SERVER_PROMPT_LENGTHS``, sharing a block."""
+    return sharing_prompts(SERVER_PROMPT_LENGTHS)
 
 
 def mixed_greedy(num_logprobs: int = 3) -> list[dict[str, Any]]:
