@@ -1,10 +1,12 @@
-"""``LLM.generate`` through our worker, sync and async, against stock vLLM CPU.
+"""``LLM.generate`` through our worker, sync, async and async with
+speculative decoding, against stock vLLM CPU.
 
 The oracle is stock vLLM CPU (``VLLM_NEURON_SCHED_DISABLE=1``, set before vLLM
 resolves its platform, so it runs in a fresh subprocess: see ``_run_stock``).
 Greedy float32 tokens must match it token for token, logprobs and prompt
-logprobs within 1e-4; seeded random sampling must match between our sync and
-async modes.
+logprobs within 1e-4. The compatibility matrix (README.md) is proven here for
+the per-request features: requests that hold every pair of them, against
+stock.
 """
 
 import os
@@ -13,6 +15,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from allpairspy import AllPairs
 
 from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.oracle import (
@@ -22,6 +25,7 @@ from vllm_neuron_sched.testing.oracle import (
     start_in_subprocess,
 )
 from vllm_neuron_sched.testing.workloads import (
+    BLOCK,
     MIXED_BUDGETS,
     SMALL_ENGINE,
     STOCK_ENV,
@@ -47,24 +51,6 @@ def _greedy_params() -> list[dict[str, Any]]:
     return mixed_greedy(NUM_LOGPROBS)
 
 
-def _seeded_params() -> list[dict[str, Any]]:
-    common = {"max_tokens": 24, "ignore_eos": True}
-    return [
-        {"temperature": 0.9, "seed": 11, **common},
-        {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 12, **common},
-        {"temperature": 1.0, "min_p": 0.05, "seed": 13, **common},
-        {
-            "temperature": 0.8,
-            "seed": 14,
-            "repetition_penalty": 1.3,
-            "presence_penalty": 0.5,
-            "frequency_penalty": 0.3,
-            **common,
-        },
-        {"temperature": 0.0, "repetition_penalty": 1.5, "min_tokens": 4, **common},
-    ]
-
-
 def _run_stock(checkpoint: str, params: list[dict]) -> list[dict]:
     """Stock vLLM CPU in a fresh process: our platform plugin disabled."""
     return generate_in_subprocess(
@@ -84,6 +70,8 @@ def stock_runs(checkpoint_dir: str) -> None:
         start_in_subprocess(
             checkpoint_dir, prompts, params, ENGINE, env=STOCK_ENV, timeout_s=900
         )
+    _stock_matrix(checkpoint_dir, speculative=False)
+    _stock_matrix(checkpoint_dir, speculative=True)
 
 
 def _stats(llm: Any) -> dict[str, int]:
@@ -104,6 +92,19 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"VLLM_NEURON_SCHED_DEVICE": "thread"},
     ),
     "sync": ({"async_scheduling": False}, {}),
+    # The n-gram proposer on the device, verify steps fed from it.
+    "async_ngram": (
+        {
+            "async_scheduling": True,
+            "speculative_config": {
+                "method": "ngram_gpu",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3,
+            },
+        },
+        {},
+    ),
     # Rectangular prefill shapes (one request per row, rows padded) instead
     # of the default packed rows.
     "async_rectangular": (
@@ -161,20 +162,6 @@ def test_greedy_matches_stock_vllm(llm: Any, stock_greedy: list[dict]) -> None:
             our_out["prompt_logprobs"], stock_out["prompt_logprobs"], TOLERANCE
         )
     assert ours[1]["prompt_logprobs"] is not None  # returned, not dropped
-
-
-def test_seeded_sampling_async_equals_sync(engines: Callable[[str], Any]) -> None:
-    llm_async, llm_sync = engines("async"), engines("sync")
-    prompts = _prompts()
-    ours_async = generate(llm_async, prompts, _seeded_params())
-    ours_sync = generate(llm_sync, prompts, _seeded_params())
-    assert [o["token_ids"] for o in ours_async] == [o["token_ids"] for o in ours_sync]
-    again = generate(llm_async, prompts, _seeded_params())
-    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in ours_async]
-    # Whoever shares its prefill step, a seeded request samples the same.
-    for i in (0, 3):
-        alone = generate(llm_async, [prompts[i]], [_seeded_params()[i]])
-        assert alone[0]["token_ids"] == ours_async[i]["token_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +256,138 @@ def test_structured_output_in_async_mode(
         ["the request is", "a token step"], params, use_tqdm=False
     )
     assert all(out.outputs[0].text in choices for out in outputs)
+
+
+# --- the compatibility matrix: every pair of per-request features -----------
+
+# Each feature's settings (SamplingParams keywords). A request takes one
+# setting of each, and every two settings of two features meet in some
+# request (a pairwise covering design). Random sampling is seeded; the stop
+# tokens and words, bad words and allowed tokens are ones the model's greedy
+# outputs hold.
+FEATURES: dict[str, list[dict[str, Any]]] = {
+    "sampling": [
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7},
+        {"temperature": 1.0, "min_p": 0.05, "seed": 8},
+    ],
+    "penalties": [
+        {},
+        {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.2},
+    ],
+    "stop": [{}, {"stop": ["fexi", "desu"]}, {"stop_token_ids": [17, 380, 321]}],
+    "min_tokens": [{}, {"min_tokens": 5}],
+    "bad_words": [{}, {"bad_words": ["qu", "gu"]}],
+    "allowed_token_ids": [{}, {"allowed_token_ids": list(range(10, 700))}],
+    "logit_bias": [{}, {"logit_bias": {530: 4.0, 22: 4.0}}],
+    "logprobs": [{}, {"logprobs": 3}],
+    "prompt_logprobs": [{}, {"prompt_logprobs": 2}],
+    "n": [{}, {"n": 2}],
+    "structured_outputs": [
+        {},
+        {"structured_outputs": {"regex": "(ka|ri|to|su|me)+( (ka|ri|to|su|me)+)*"}},
+    ],
+}
+# The requests run twice on one engine: the second round hits the prefix cache.
+MATRIX_ROUNDS = 2
+# With speculative decoding vLLM refuses these per request, and so do we: the
+# speculative column's requests are greedy (the rejection sampler keeps a
+# random request's distribution, not stock's draws) and leave them out.
+REFUSED_WITH_SPECULATION = ("logit_bias", "min_p")
+
+
+def _compatible(settings: list[dict[str, Any]]) -> bool:
+    """Allowed tokens and a grammar together can leave no token to take;
+    vLLM refuses ``n > 1`` with greedy sampling."""
+    merged = {key: value for setting in settings for key, value in setting.items()}
+    if {"allowed_token_ids", "structured_outputs"} <= merged.keys():
+        return False
+    return not (merged.get("n") and merged.get("temperature") == 0.0)
+
+
+def _matrix(speculative: bool) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """The requests: the mixed prompts over and over, those of 64k + 1
+    tokens first (run again, they start with a one-token rest, alone in a
+    step: what vLLM pads with placeholder drafts when it speculates), each
+    with one row of the covering design."""
+    features = FEATURES
+    if speculative:  # greedy, without what speculation refuses
+        left_out = {"seed", "n", *REFUSED_WITH_SPECULATION}
+        features = {
+            name: [s for s in settings if not left_out & s.keys()]
+            for name, settings in FEATURES.items()
+        }
+    rows = AllPairs(list(features.values()), filter_func=_compatible)
+    params = []
+    for row in rows:
+        request = {"max_tokens": 12, "ignore_eos": True}
+        for setting in row:
+            request.update(setting)
+        params.append(request)
+    prompts = sorted(_prompts(), key=lambda p: len(p) % BLOCK != 1)
+    return [prompts[i % len(prompts)] for i in range(len(params))], params
+
+
+def _stock_matrix(checkpoint: str, speculative: bool) -> Any:
+    """Stock with a step's budget for every sequence's whole prompt: a
+    chunked seeded prompt makes stock vLLM CPU raise ("CPU Generator does
+    not use offset"), and ours samples the same however a prompt is
+    chunked."""
+    budget = ENGINE["max_num_seqs"] * ENGINE["max_model_len"]
+    engine = {**ENGINE, "max_num_batched_tokens": budget}
+    return start_in_subprocess(
+        checkpoint,
+        *_matrix(speculative),
+        engine,
+        env=STOCK_ENV,
+        timeout_s=900,
+        rounds=MATRIX_ROUNDS,
+    )
+
+
+@pytest.mark.parametrize("engine", ["sync", "async", "async_ngram"])
+def test_every_pair_of_request_features_equals_stock(
+    engine: str, engines: Callable[[str], Any], checkpoint_dir: str
+) -> None:
+    """Tokens of every completion, finish reasons, logprobs and prompt
+    logprobs equal stock's, with chunked prompts, and the second time with
+    prefix-cache hits."""
+    speculative = engine == "async_ngram"
+    llm = engines(engine)
+    prompts, params = _matrix(speculative)
+    ours = [r for _ in range(MATRIX_ROUNDS) for r in generate(llm, prompts, params)]
+    stock = _stock_matrix(checkpoint_dir, speculative).result()
+    for i, (record, theirs) in enumerate(zip(ours, stock, strict=True)):
+        assert record["completions"] == theirs["completions"], (i, params[i])
+        assert record["finish_reason"] == theirs["finish_reason"], (i, params[i])
+        assert_logprobs_close(record["logprobs"], theirs["logprobs"], TOLERANCE)
+        assert_logprobs_close(
+            record["prompt_logprobs"], theirs["prompt_logprobs"], TOLERANCE
+        )
+
+
+def test_speculation_refuses_what_it_cannot_run_and_seeds_reproduce(
+    engines: Callable[[str], Any],
+) -> None:
+    """Per request, logit bias and min_p are refused (by vLLM's front end;
+    our scheduler refuses those that reach the engine another way). A
+    seeded request's tokens are its own, alone or batched, and again."""
+    from vllm.exceptions import VLLMValidationError
+
+    llm = engines("async_ngram")
+    prompts, params = _matrix(speculative=False)
+    for name in REFUSED_WITH_SPECULATION:
+        i = next(i for i, p in enumerate(params) if p.get(name))
+        with pytest.raises(VLLMValidationError, match="with speculative decoding"):
+            generate(llm, [prompts[i]], [params[i]])
+    seeded = [
+        i
+        for i, p in enumerate(params)
+        if p["temperature"] > 0 and not set(p) & set(REFUSED_WITH_SPECULATION)
+    ]
+    assert seeded
+    batched = generate(llm, [prompts[i] for i in seeded], [params[i] for i in seeded])
+    alone = generate(llm, [prompts[seeded[-1]]], [params[seeded[-1]]])
+    again = generate(llm, [prompts[i] for i in seeded], [params[i] for i in seeded])
+    assert [r["completions"] for r in again] == [r["completions"] for r in batched]
+    assert alone[0]["completions"] == batched[-1]["completions"]

@@ -139,7 +139,8 @@ def start_greedy_tokens(
 def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]:
     """``llm.generate`` with keyword-argument sampling params, as JSON records.
     ``structured_outputs`` may be given as the keywords of vLLM's
-    ``StructuredOutputsParams`` (JSON, so a child process can take it)."""
+    ``StructuredOutputsParams``, and ``logit_bias`` keys as strings (JSON, so
+    a child process can take them)."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -148,6 +149,8 @@ def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]
         if isinstance(structured, dict):
             structured = StructuredOutputsParams(**structured)
             keywords = {**keywords, "structured_outputs": structured}
+        if bias := keywords.get("logit_bias"):
+            keywords = {**keywords, "logit_bias": {int(t): b for t, b in bias.items()}}
         return SamplingParams(**keywords)
 
     if isinstance(sampling, list):
@@ -160,7 +163,8 @@ def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]
 
 
 def as_record(out: Any) -> dict[str, Any]:
-    """A ``RequestOutput``'s first completion: tokens, text, logprobs."""
+    """A ``RequestOutput``'s first completion: tokens, text, logprobs; and
+    every completion's tokens (``n > 1``)."""
     completion = out.outputs[0]
 
     def steps(logprobs: Any) -> list | None:
@@ -177,6 +181,7 @@ def as_record(out: Any) -> dict[str, Any]:
         "finish_reason": completion.finish_reason,
         "logprobs": steps(completion.logprobs),
         "prompt_logprobs": steps(out.prompt_logprobs),
+        "completions": [list(c.token_ids) for c in out.outputs],
     }
 
 
