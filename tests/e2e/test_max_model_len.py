@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from vllm_neuron_sched.testing.oracle import generate, start_in_subprocess
+from vllm_neuron_sched.testing.in_process import in_process_llm
+from vllm_neuron_sched.testing.oracle import generate, start_each_in_subprocess
 from vllm_neuron_sched.testing.workloads import STOCK_ENV, token_prompts
 
 pytestmark = pytest.mark.slow
@@ -35,27 +36,29 @@ TO_THE_END = {"temperature": 0.0, "max_tokens": FITTED - 140, "ignore_eos": True
 
 
 def _stock(checkpoint: str) -> Any:
-    return start_in_subprocess(checkpoint, PROMPT, TO_THE_END, ENGINE, env=STOCK_ENV)
+    run = {
+        "model": checkpoint,
+        "prompts": PROMPT,
+        "sampling": TO_THE_END,
+        "engine_kwargs": ENGINE,
+    }
+    return start_each_in_subprocess([run], env=STOCK_ENV)
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_dir: str) -> Iterator[Any]:
-    from vllm import LLM
-
-    _stock(checkpoint_dir)  # runs while our engine starts
-    engine = LLM(
-        model=checkpoint_dir,
-        **ENGINE,
-        speculative_config={"method": "ngram_gpu", **NGRAM},
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    _stock(checkpoint_dir)  # runs while our engine does
+    speculative = {"method": "ngram_gpu", **NGRAM}
+    with in_process_llm(
+        checkpoint_dir, **ENGINE, speculative_config=speculative
+    ) as engine:
+        yield engine
 
 
 def test_the_fitted_length_is_everyones(llm: Any, checkpoint_dir: str) -> None:
     assert llm.llm_engine.model_config.max_model_len == FITTED
     ours = generate(llm, PROMPT, TO_THE_END)
-    stock = _stock(checkpoint_dir).result()
+    stock = _stock(checkpoint_dir).result()[0]
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock]
     assert len(ours[0]["token_ids"]) == FITTED - 140
     assert ours[0]["finish_reason"] == "length"

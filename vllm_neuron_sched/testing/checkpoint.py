@@ -58,6 +58,11 @@ class CheckpointSpec:
     # Larger than Llama's 0.02 so random logits have clear winners and
     # greedy decoding is stable across batch shapes.
     init_range: float = 0.08
+    # > 0: every other layer attends to this many tokens back (a hybrid model,
+    # as Gemma's: a sliding-window KV cache group beside the full one).
+    sliding_window: int = 0
+    # > 0: a mixture of experts (Mixtral) of this many, two per token.
+    num_experts: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -111,9 +116,21 @@ def _check(spec: CheckpointSpec) -> None:
 
 
 def _config(spec: CheckpointSpec, tokenizer):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
-    return LlamaConfig(
+    kind: dict = {}
+    config_cls = LlamaConfig
+    if spec.sliding_window:
+        kind["sliding_window"] = spec.sliding_window
+        kind["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(spec.layers)
+        ]
+    if spec.num_experts:
+        config_cls = MixtralConfig
+        kind |= {"num_local_experts": spec.num_experts, "num_experts_per_tok": 2}
+    return config_cls(
+        **kind,
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -134,7 +151,7 @@ def _config(spec: CheckpointSpec, tokenizer):
 def make_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> Path:
     """Write the checkpoint to ``path`` (created) and return it."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
 
     spec = spec or CheckpointSpec()
     _check(spec)
@@ -146,7 +163,8 @@ def make_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> Pat
 
     config = _config(spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model_cls = MixtralForCausalLM if spec.num_experts else LlamaForCausalLM
+    model = model_cls(config).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     (path / "neuron_sched_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
     return path

@@ -13,7 +13,6 @@ logits processor (``ForceTokens``) that reads ``SamplingParams.extra_args``.
 Plugin authors can reuse all of this with their own scheduler and worker.
 """
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from vllm_neuron_sched.core.step_view import BatchShape
+from vllm_neuron_sched.testing.in_process import in_process
 
 FORCE_TOKENS_KEY = "neuron_sched_force_tokens"
 FORCE_TOKENS_FQCN = "vllm_neuron_sched.testing.engine_steps:ForceTokens"
@@ -122,7 +122,6 @@ class EngineStepper:
     ) -> None:
         """``force_tokens``: with the ``ForceTokens`` logits processor
         (``Req.eos_at``), which vLLM refuses with speculative decoding."""
-        import vllm.envs as vllm_envs
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -140,19 +139,8 @@ class EngineStepper:
                 **engine_kwargs,
             },
         )
-        # In-process engine core and worker; set only while building it, so
-        # engines made later in this process keep vLLM's default (the engine
-        # core also freezes vLLM's env cache, which is undone below).
-        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        try:
+        with in_process():
             self.engine = LLMEngine.from_engine_args(args)
-        finally:
-            if saved is None:
-                del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-            else:
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
-            vllm_envs.disable_envs_cache()
         self.core = self.engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.eos_token_id = eos_token_id

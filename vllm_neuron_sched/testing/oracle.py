@@ -80,16 +80,7 @@ def start_in_subprocess(
         "engine_kwargs": engine_kwargs or {},
         "rounds": rounds,
     }
-    full_env = {**os.environ, **(env or {})}
-    run_env = {
-        k: v
-        for k, v in full_env.items()
-        if k.startswith("VLLM") and k not in _SET_AT_ENGINE_START
-    }
-    key = json.dumps([spec, sorted(run_env.items())], sort_keys=True)
-    if key not in _runs:
-        _runs[key] = _children.submit(_run_child, spec, full_env, timeout_s)
-    return _runs[key]
+    return _start(spec, env, timeout_s)
 
 
 def _run_child(
@@ -226,10 +217,47 @@ def counted_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     return {name: minus(value, before.get(name)) for name, value in after.items()}
 
 
-def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
+def start_each_in_subprocess(
+    runs: list[dict[str, Any]], env: dict[str, str] | None = None
+) -> Future[list[list[dict[str, Any]]]]:
+    """Several engines one after the other in one fresh process, each run in
+    that process (``in_process``: seconds to start) and shut down before the
+    next: the records of each. A run holds ``start_in_subprocess``'s
+    ``model``, ``prompts``, ``sampling``, ``engine_kwargs`` and ``rounds``."""
+    spec = {"runs": [{"engine_kwargs": {}, "rounds": 1, **run} for run in runs]}
+    return _start(spec, env, 900)
+
+
+def _start(spec: dict[str, Any], env: dict[str, str] | None, timeout_s: float) -> Any:
+    """The child for ``spec``, started now or earlier with the same spec and
+    environment."""
+    full_env = {**os.environ, **(env or {})}
+    run_env = {
+        k: v
+        for k, v in full_env.items()
+        if k.startswith("VLLM") and k not in _SET_AT_ENGINE_START
+    }
+    key = json.dumps([spec, sorted(run_env.items())], sort_keys=True)
+    if key not in _runs:
+        _runs[key] = _children.submit(_run_child, spec, full_env, timeout_s)
+    return _runs[key]
+
+
+def _run(spec: dict[str, Any]) -> Any:
+    if "runs" in spec:
+        from vllm_neuron_sched.testing.in_process import in_process_llm
+
+        results = []
+        for run in spec["runs"]:
+            with in_process_llm(run["model"], **run["engine_kwargs"]) as llm:
+                results.append(_generate_rounds(llm, run))
+        return results
     from vllm import LLM
 
-    llm = LLM(model=spec["model"], **spec["engine_kwargs"])
+    return _generate_rounds(LLM(model=spec["model"], **spec["engine_kwargs"]), spec)
+
+
+def _generate_rounds(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     records = []
     for _ in range(spec["rounds"]):
         records += generate(llm, spec["prompts"], spec["sampling"])

@@ -1,0 +1,50 @@
+"""vLLM engines whose engine core and worker run in this process.
+
+Such an engine starts in seconds (no processes to spawn, no queues between
+them) and runs the same ``EngineCore.step()`` / ``step_with_batch_queue()``
+as a served one, so tests that need many engines of one worker each build
+them this way. Engines built outside keep vLLM's default.
+"""
+
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextmanager
+def in_process() -> Iterator[None]:
+    """Engines built inside the block run in this process. The engine core
+    freezes vLLM's environment cache when it starts: undone on the way out,
+    so later engines read the environment again."""
+    import vllm.envs as vllm_envs
+
+    saved = os.environ.get(_MULTIPROCESSING)
+    os.environ[_MULTIPROCESSING] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[_MULTIPROCESSING]
+        else:
+            os.environ[_MULTIPROCESSING] = saved
+        vllm_envs.disable_envs_cache()
+
+
+@contextmanager
+def in_process_llm(model: str, **engine_kwargs: Any) -> Iterator[Any]:
+    """An ``LLM`` run in this process, shut down (its KV cache freed) when
+    the block ends."""
+    from vllm import LLM
+
+    with in_process():
+        llm = LLM(model=model, **engine_kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
