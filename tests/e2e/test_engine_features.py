@@ -22,6 +22,7 @@ from vllm_neuron_sched.testing.checkpoint import CheckpointSpec, make_checkpoint
 from vllm_neuron_sched.testing.in_process import in_process_llm
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
+    embed,
     generate,
     start_each_in_subprocess,
 )
@@ -151,3 +152,32 @@ def test_models_are_what_they_say(models: dict[str, str]) -> None:
     assert "layer_types" not in configs["dense"] or set(
         configs["dense"]["layer_types"]
     ) == {"full_attention"}
+
+
+# Pooling: our static-batch scheduler over vLLM's runner; async scheduling
+# stays off when asked for (a pooling step has no token to run ahead on), as
+# in stock vLLM.
+POOLING_ENGINE = {**SMALL_ENGINE, "runner": "pooling", "max_num_batched_tokens": 256}
+
+
+def test_pooling_embeddings_equal_stock(checkpoint_dir: str) -> None:
+    prompts = mixed_prompts()
+    run = {
+        "model": checkpoint_dir,
+        "prompts": prompts,
+        "sampling": None,
+        "engine_kwargs": POOLING_ENGINE,
+        "rounds": ROUNDS,
+    }
+    stock = start_each_in_subprocess([run], env=STOCK_ENV)
+    for async_scheduling in (False, True):
+        engine = {**POOLING_ENGINE, "async_scheduling": async_scheduling}
+        with in_process_llm(checkpoint_dir, **engine) as llm:
+            config = llm.llm_engine.vllm_config.scheduler_config
+            assert config.scheduler_cls.endswith("PoolingScheduler")
+            assert not config.async_scheduling
+            ours = [r for _ in range(ROUNDS) for r in embed(llm, prompts)]
+        for record, expected in zip(ours, stock.result()[0], strict=True):
+            assert record["embedding"] == pytest.approx(
+                expected["embedding"], abs=TOLERANCE
+            )

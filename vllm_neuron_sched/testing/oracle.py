@@ -257,9 +257,19 @@ def _run(spec: dict[str, Any]) -> Any:
     return _generate_rounds(LLM(model=spec["model"], **spec["engine_kwargs"]), spec)
 
 
+def embed(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """``llm.embed`` (a pooling model) on token-id prompts, as JSON records."""
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    return [{"embedding": list(out.outputs.embedding)} for out in outputs]
+
+
 def _generate_rounds(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """``spec["sampling"]`` None: the model pools (``embed``)."""
     records = []
     for _ in range(spec["rounds"]):
+        if spec["sampling"] is None:
+            records += embed(llm, spec["prompts"])
+            continue
         records += generate(llm, spec["prompts"], spec["sampling"])
     if spec["engine_kwargs"].get("speculative_config"):
         # Engine-wide, the same in every record.
