@@ -68,14 +68,14 @@ ROW = 64  # max_num_batched_tokens: the largest packed prefill row
 RESET_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": ROW, "block_size": 32}
 
 
-@pytest.fixture(scope="module", params=["async", "async_ngram"])
+@pytest.fixture(scope="module", params=["sync", "async", "async_ngram"])
 def reset_stepper(request, checkpoint_dir: str) -> Iterator[EngineStepper]:
     extra = {}
     if request.param == "async_ngram":
         extra["speculative_config"] = {"method": "ngram_gpu", **NGRAM}
     engine = EngineStepper(
         checkpoint_dir,
-        async_scheduling=True,
+        async_scheduling=request.param != "sync",
         eos_token_id=1,
         force_tokens=False,
         **RESET_ENGINE,
@@ -107,8 +107,11 @@ def test_reset_prefix_cache_mid_run_keeps_every_token(
             (r for r in stepper.scheduler.requests.values() if r.request_id[0] == "A"),
             None,
         )
-        if a is None or a.is_prefill_chunk or not a.num_output_placeholders:
-            return  # A must be decoding, with a step in flight
+        in_flight = a is not None and (
+            a.num_output_placeholders or stepper.core.batch_queue is None
+        )
+        if a is None or a.is_prefill_chunk or not in_flight:
+            return  # A must be decoding, with a step in flight (async)
         total = a.num_tokens  # prompt + outputs delivered: the re-prefill
         one_step = not resets and ROW - 20 < total <= ROW
         one_past = len(resets) == 1 and total % ROW == 1

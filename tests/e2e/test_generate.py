@@ -371,7 +371,8 @@ def test_speculation_refuses_what_it_cannot_run_and_seeds_reproduce(
 ) -> None:
     """Per request, logit bias and min_p are refused (by vLLM's front end;
     our scheduler refuses those that reach the engine another way). A
-    seeded request's tokens are its own, alone or batched, and again."""
+    seeded request's tokens (``n = 2`` among them) are its own, alone or
+    batched, and again."""
     from vllm.exceptions import VLLMValidationError
 
     llm = engines("async_ngram")
@@ -380,14 +381,15 @@ def test_speculation_refuses_what_it_cannot_run_and_seeds_reproduce(
         i = next(i for i, p in enumerate(params) if p.get(name))
         with pytest.raises(VLLMValidationError, match="with speculative decoding"):
             generate(llm, [prompts[i]], [params[i]])
-    seeded = [
-        i
-        for i, p in enumerate(params)
-        if p["temperature"] > 0 and not set(p) & set(REFUSED_WITH_SPECULATION)
+    seeded = [i for i, p in enumerate(params) if p["temperature"] > 0]
+    runnable = [
+        {k: v for k, v in params[i].items() if k not in REFUSED_WITH_SPECULATION}
+        for i in seeded
     ]
-    assert seeded
-    batched = generate(llm, [prompts[i] for i in seeded], [params[i] for i in seeded])
-    alone = generate(llm, [prompts[seeded[-1]]], [params[seeded[-1]]])
-    again = generate(llm, [prompts[i] for i in seeded], [params[i] for i in seeded])
+    seeded_prompts = [prompts[i] for i in seeded]
+    assert any(p.get("n") for p in runnable)
+    batched = generate(llm, seeded_prompts, runnable)
+    alone = generate(llm, seeded_prompts[-1:], runnable[-1:])
+    again = generate(llm, seeded_prompts, runnable)
     assert [r["completions"] for r in again] == [r["completions"] for r in batched]
     assert alone[0]["completions"] == batched[-1]["completions"]

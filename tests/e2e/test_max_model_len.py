@@ -45,13 +45,20 @@ def _stock(checkpoint: str) -> Any:
     return start_each_in_subprocess([run], env=STOCK_ENV)
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoint_dir: str) -> Iterator[Any]:
-    _stock(checkpoint_dir)  # runs while our engine does
-    speculative = {"method": "ngram_gpu", **NGRAM}
-    with in_process_llm(
-        checkpoint_dir, **ENGINE, speculative_config=speculative
-    ) as engine:
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"async_scheduling": False},
+    "async": {"async_scheduling": True},
+    "async_ngram": {
+        "async_scheduling": True,
+        "speculative_config": {"method": "ngram_gpu", **NGRAM},
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def llm(request: pytest.FixtureRequest, checkpoint_dir: str) -> Iterator[Any]:
+    _stock(checkpoint_dir)  # runs while our engines do
+    with in_process_llm(checkpoint_dir, **ENGINE, **MODES[request.param]) as engine:
         yield engine
 
 

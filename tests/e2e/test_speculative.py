@@ -1,5 +1,5 @@
 """Speculative decoding (the n-gram proposer on the device) through
-``LLM.generate``, sync and async at TP=4, against stock vLLM CPU.
+``LLM.generate``, sync at TP=2 and async at TP=4, against stock vLLM CPU.
 
 The trained repeat checkpoint (``testing/checkpoint.py``) continues a token
 cycle greedily, so the drafts of a repeat prompt are accepted in long runs; a
@@ -172,11 +172,18 @@ def stock_runs(checkpoint: str) -> None:
 
 # name -> (engine keywords, environment of its workers)
 ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    # A device thread beside the worker's main thread: the verify step's
-    # sampling reads a snapshot of the batch.
-    "sync": (
-        {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
-        {"VLLM_NEURON_SCHED_DEVICE": "thread"},
+    # Two TP ranks, each with a device thread beside the worker's main
+    # thread: the verify step's sampling reads a snapshot of the batch.
+    "sync_tp2": (
+        {
+            "async_scheduling": False,
+            "tensor_parallel_size": 2,
+            "speculative_config": {"method": "ngram", **NGRAM},
+        },
+        {
+            "VLLM_NEURON_SCHED_DEVICE": "thread",
+            "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2),
+        },
     ),
     # vLLM's name for the on-device n-gram proposer keeps async scheduling
     # on; every TP rank proposes the same drafts from its own histories.
@@ -253,7 +260,7 @@ def test_drafts_are_accepted_and_rejected(results: dict[str, Any]) -> None:
 
 
 def test_sync_counters_equal_stock(results: dict[str, Any], checkpoint: str) -> None:
-    if results["name"] != "sync":
+    if results["name"] != "sync_tp2":
         pytest.skip("async mode schedules K draft slots per step; see below")
     stock = _stock(checkpoint, speculative=True).result()
     assert results["counters"] == stock[0]["spec_decode"]
@@ -341,5 +348,5 @@ def test_prefix_cache_hits_equal_stock(
         while len(walk) < PREFIX_PARAMS["max_tokens"]:
             walk.append(succ[walk[-1]])
         assert record["token_ids"] == walk
-    if name == "sync":
+    if name == "sync_tp2":
         assert counted_since(before, after) == stock[0]["spec_decode"]

@@ -235,3 +235,59 @@ def test_a_streaming_input_session_finishes_with_an_error(
     scheduler.add_request(request)
     assert request.is_finished()
     assert str(request.get_finished_reason()) == "error"
+
+
+def test_multimodal_models_are_refused() -> None:
+    """No vision or audio model loads in this environment (its image
+    processors need the torchvision the set-up removes), so the check runs
+    on the model config's answers."""
+    from types import SimpleNamespace
+
+    from vllm_neuron_sched.unsupported import check_config
+
+    model = SimpleNamespace(
+        supports_multimodal_inputs=True,
+        uses_mrope=False,
+        is_encoder_decoder=False,
+        enable_prompt_embeds=False,
+        use_mla=False,
+        is_hybrid=False,
+        has_inner_state=False,
+        is_attention_free=False,
+        is_diffusion=False,
+        is_moe=False,
+    )
+    config = SimpleNamespace(
+        model_config=model,
+        lora_config=None,
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+            data_parallel_size=1,
+        ),
+        kv_transfer_config=None,
+        cache_config=SimpleNamespace(kv_offloading_size=None),
+        ec_transfer_config=None,
+        use_v2_model_runner=False,
+    )
+    with pytest.raises(ValueError, match="multimodal inputs"):
+        check_config(config)
+    model.supports_multimodal_inputs = False
+    check_config(config)  # a text model passes
+
+
+def test_speculation_on_a_pooling_model_is_refused(
+    checkpoints: tuple[str, str],
+) -> None:
+    target, _ = checkpoints
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+    with pytest.raises(ValueError, match="chunked-prefill schedulers"):
+        EngineArgs(
+            model=target, max_model_len=256, runner="pooling", speculative_config=ngram
+        ).create_engine_config()
