@@ -26,7 +26,12 @@ from vllm_neuron_sched.testing.oracle import (
     generate,
     start_each_in_subprocess,
 )
-from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV, mixed_prompts
+from vllm_neuron_sched.testing.workloads import (
+    MODES,
+    SMALL_ENGINE,
+    STOCK_ENV,
+    mixed_prompts,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +42,6 @@ MODELS: dict[str, CheckpointSpec | None] = {
     "dense": None,
     "sliding_window": CheckpointSpec(sliding_window=32),
     "moe": CheckpointSpec(num_experts=4),
-}
-MODES: dict[str, dict[str, Any]] = {
-    "sync": {"async_scheduling": False},
-    "async": {"async_scheduling": True},
-    "async_ngram": {
-        "async_scheduling": True,
-        "speculative_config": {
-            "method": "ngram_gpu",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-    },
 }
 LOGPROBS_MODES = [
     "raw_logprobs",

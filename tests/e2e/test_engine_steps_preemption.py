@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from vllm_neuron_sched.testing.engine_steps import EngineStepper, Req, format_table
+from vllm_neuron_sched.testing.workloads import MODES
 
 pytestmark = pytest.mark.slow
 
@@ -63,23 +64,18 @@ def test_preempted_request_resumes_with_same_tokens(stepper: EngineStepper) -> N
 
 # --- preempted all at once: reset_prefix_cache with requests running --------
 
-NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ROW = 64  # max_num_batched_tokens: the largest packed prefill row
 RESET_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": ROW, "block_size": 32}
 
 
-@pytest.fixture(scope="module", params=["sync", "async", "async_ngram"])
+@pytest.fixture(scope="module", params=list(MODES))
 def reset_stepper(request, checkpoint_dir: str) -> Iterator[EngineStepper]:
-    extra = {}
-    if request.param == "async_ngram":
-        extra["speculative_config"] = {"method": "ngram_gpu", **NGRAM}
     engine = EngineStepper(
         checkpoint_dir,
-        async_scheduling=request.param != "sync",
         eos_token_id=1,
         force_tokens=False,
         **RESET_ENGINE,
-        **extra,
+        **MODES[request.param],
     )
     yield engine
     engine.shutdown()

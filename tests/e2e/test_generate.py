@@ -11,6 +11,7 @@ stock.
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 from unittest import mock
 
@@ -18,6 +19,7 @@ import pytest
 from allpairspy import AllPairs
 
 from vllm_neuron_sched.binding import thread_binding
+from vllm_neuron_sched.testing.in_process import in_process
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
     generate,
@@ -27,6 +29,7 @@ from vllm_neuron_sched.testing.oracle import (
 from vllm_neuron_sched.testing.workloads import (
     BLOCK,
     MIXED_BUDGETS,
+    MODES,
     SMALL_ENGINE,
     STOCK_ENV,
     greedy,
@@ -83,7 +86,9 @@ def stock_greedy(checkpoint_dir: str) -> list[dict]:
     return _run_stock(checkpoint_dir, _greedy_params())
 
 
-# name -> (engine keywords, environment of its workers)
+# name -> (engine keywords, environment of its workers). Each but "async"
+# (the served set-up) and "async_tp4" (its ranks are processes) runs in this
+# process: seconds to start (``testing/in_process.py``).
 ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "async": ({"async_scheduling": True}, {}),
     # A device thread beside the worker's main thread.
@@ -91,20 +96,9 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"async_scheduling": True},
         {"VLLM_NEURON_SCHED_DEVICE": "thread"},
     ),
-    "sync": ({"async_scheduling": False}, {}),
+    "sync": (MODES["sync"], {}),
     # The n-gram proposer on the device, verify steps fed from it.
-    "async_ngram": (
-        {
-            "async_scheduling": True,
-            "speculative_config": {
-                "method": "ngram_gpu",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3,
-            },
-        },
-        {},
-    ),
+    "async_ngram": (MODES["async_ngram"], {}),
     # Rectangular prefill shapes (one request per row, rows padded) instead
     # of the default packed rows.
     "async_rectangular": (
@@ -129,6 +123,9 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 }
 
 
+SPAWNED = ("async", "async_tp4")
+
+
 @pytest.fixture(scope="module")
 def engines(checkpoint_dir: str) -> Iterator[Callable[[str], Any]]:
     """Each engine of ``ENGINES`` started once per module, on first use."""
@@ -139,11 +136,14 @@ def engines(checkpoint_dir: str) -> Iterator[Callable[[str], Any]]:
     def get(name: str) -> Any:
         if name not in started:
             kwargs, env = ENGINES[name]
-            with mock.patch.dict(os.environ, env):  # workers inherit it at spawn
+            local = in_process() if name not in SPAWNED else nullcontext()
+            with mock.patch.dict(os.environ, env), local:  # workers read it
                 started[name] = LLM(model=checkpoint_dir, **ENGINE, **kwargs)
         return started[name]
 
     yield get
+    for llm in started.values():
+        llm.llm_engine.engine_core.shutdown()
     started.clear()
 
 

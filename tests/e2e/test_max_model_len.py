@@ -12,7 +12,7 @@ import pytest
 
 from vllm_neuron_sched.testing.in_process import in_process_llm
 from vllm_neuron_sched.testing.oracle import generate, start_each_in_subprocess
-from vllm_neuron_sched.testing.workloads import STOCK_ENV, token_prompts
+from vllm_neuron_sched.testing.workloads import MODES, STOCK_ENV, token_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,6 @@ ENGINE: dict[str, Any] = {
     "enforce_eager": True,
 }
 FITTED = 160
-NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # A prompt that runs to the fitted end.
 PROMPT = token_prompts([140])
 TO_THE_END = {"temperature": 0.0, "max_tokens": FITTED - 140, "ignore_eos": True}
@@ -43,16 +42,6 @@ def _stock(checkpoint: str) -> Any:
         "engine_kwargs": ENGINE,
     }
     return start_each_in_subprocess([run], env=STOCK_ENV)
-
-
-MODES: dict[str, dict[str, Any]] = {
-    "sync": {"async_scheduling": False},
-    "async": {"async_scheduling": True},
-    "async_ngram": {
-        "async_scheduling": True,
-        "speculative_config": {"method": "ngram_gpu", **NGRAM},
-    },
-}
 
 
 @pytest.fixture(scope="module", params=list(MODES))

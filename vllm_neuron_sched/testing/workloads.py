@@ -21,6 +21,19 @@ SMALL_ENGINE: dict[str, Any] = {
     "enforce_eager": True,
 }
 STOCK_ENV = {"VLLM_NEURON_SCHED_DISABLE": "1"}  # stock vLLM CPU in a child
+# N-gram speculation, K = 3.
+NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# The compatibility matrix's columns (README.md): engine keywords per mode.
+# "ngram_gpu" is vLLM's name for the proposer on the device, which keeps
+# async scheduling on.
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"async_scheduling": False},
+    "async": {"async_scheduling": True},
+    "async_ngram": {
+        "async_scheduling": True,
+        "speculative_config": {"method": "ngram_gpu", **NGRAM},
+    },
+}
 
 # The OpenAI-server tests (TP=4, soak, two nodes, data parallel): one engine
 # shape, so one oracle run serves every module that compares with it.

@@ -150,6 +150,21 @@ def expected_tokens(req_id: str, max_tokens: int, runner: FakeRunner) -> list[in
     return [runner.token(req_id, i) for i in range(max_tokens)]
 
 
+def assert_all_ran_unpreempted(
+    scheduler: Scheduler,
+    runner: RecordingRunner,
+    result: LoopResult,
+    max_tokens: dict[str, int],
+) -> None:
+    """Nothing was preempted, every request got all its tokens, and every
+    block came back."""
+    for so in runner.outputs:
+        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
+    for req_id, n in max_tokens.items():
+        assert result.tokens[req_id] == expected_tokens(req_id, n, runner)
+    assert_blocks_all_free(scheduler, runner)
+
+
 # --- async mode is a config fact ---------------------------------------------
 
 
@@ -303,11 +318,7 @@ def test_blocks_reserved_for_prompt_and_max_tokens(
     waiting_steps = runner.steps[2:first_b]
     assert waiting_steps, "b never had to wait"
     assert min(s.num_free_blocks for s in waiting_steps) >= cdiv(20, block_size)
-    for so in runner.outputs:
-        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
-    for req_id in "ab":
-        assert result.tokens[req_id] == expected_tokens(req_id, 40, runner)
-    assert_blocks_all_free(scheduler, runner)
+    assert_all_ran_unpreempted(scheduler, runner, result, {"a": 40, "b": 40})
 
 
 @MODES
@@ -330,11 +341,7 @@ def test_blocks_reserved_in_every_kv_cache_group(
     )
     assert len(scheduler.kv_cache_config.kv_cache_groups) == 2
     assert min(steps_of(runner, "b")) > max(steps_of(runner, "a"))
-    for so in runner.outputs:
-        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
-    for req_id in "ab":
-        assert result.tokens[req_id] == expected_tokens(req_id, 40, runner)
-    assert_blocks_all_free(scheduler, runner)
+    assert_all_ran_unpreempted(scheduler, runner, result, {"a": 40, "b": 40})
 
 
 @MODES
@@ -389,11 +396,9 @@ def test_a_group_is_admitted_only_as_far_as_every_member_fits(
     assert min(steps_of(runner, "r2")) > min(
         max(steps_of(runner, "r0")), max(steps_of(runner, "r1"))
     )
-    for so in runner.outputs:
-        assert not so.scheduled_cached_reqs.resumed_req_ids, "preemption happened"
-    for i in range(3):
-        assert result.tokens[f"r{i}"] == expected_tokens(f"r{i}", 48, runner)
-    assert_blocks_all_free(scheduler, runner)
+    assert_all_ran_unpreempted(
+        scheduler, runner, result, {f"r{i}": 48 for i in range(3)}
+    )
 
 
 @MODES
