@@ -1,8 +1,9 @@
-"""Two data-parallel replicas behind one OpenAI server, async on.
+"""Two data-parallel replicas behind one OpenAI server, in each mode of the
+compatibility matrix (sync, async, async with n-gram speculation).
 
 ``--data-parallel-size 2`` runs one engine core per replica, each with our
-async scheduler and worker. Concurrent greedy requests must equal stock vLLM
-CPU, both replicas must serve some (vLLM's own per-engine counters and ours,
+scheduler and worker. Concurrent greedy requests must equal stock vLLM CPU,
+both replicas must serve some (vLLM's own per-engine counters and ours,
 labelled ``engine`` the same way), and a bad request gets a 400 while the
 others are served.
 """
@@ -23,6 +24,7 @@ from vllm_neuron_sched.testing.server import (
     greedy_completion,
 )
 from vllm_neuron_sched.testing.workloads import (
+    MODES,
     SERVER_ENGINE,
     SERVER_MAX_TOKENS,
     STOCK_ENV,
@@ -38,13 +40,19 @@ MAX_TOKENS = SERVER_MAX_TOKENS
 PROMPTS = server_prompts()
 
 
+@pytest.fixture(scope="module", params=list(MODES))
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def server(
-    checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory
+    mode: str, checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OpenAIServer]:
-    log = tmp_path_factory.mktemp("dp2") / "server.log"
+    log = tmp_path_factory.mktemp(f"dp2_{mode}") / "server.log"
     env = {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(DP)}
-    args = ["--data-parallel-size", str(DP), *engine_args(ENGINE)]
+    engine = {**ENGINE, **MODES[mode]}
+    args = ["--data-parallel-size", str(DP), *engine_args(engine)]
     with OpenAIServer.start(checkpoint_dir, args, log, env, timeout_s=300) as server:
         yield server
 
@@ -62,7 +70,7 @@ def stock_run(checkpoint_dir: str) -> Future[list[list[int]]]:
 
 
 async def test_both_replicas_serve_and_tokens_equal_stock(
-    server: OpenAIServer, stock_tokens: list[list[int]]
+    mode: str, server: OpenAIServer, stock_tokens: list[list[int]]
 ) -> None:
     client = server.client()
     # Each prompt twice, all at once: enough for both replicas.
@@ -73,8 +81,9 @@ async def test_both_replicas_serve_and_tokens_equal_stock(
     served = metric_by_label(text, "vllm:request_success_total", "engine")
     assert sorted(served) == ["0", "1"], served
     assert all(count > 0 for count in served.values()), served
-    # Our counters, per replica: each engine's async flow ran.
-    for counter in ("prefill_steps", "async_steps"):
+    # Our counters, per replica: each engine's flow ran, async or sync.
+    steps = "sync_fallback_steps" if mode == "sync" else "async_steps"
+    for counter in ("prefill_steps", steps):
         ours = metric_by_label(text, f"vllm:neuron_sched_{counter}_total", "engine")
         assert sorted(ours) == ["0", "1"], (counter, ours)
         assert all(count > 0 for count in ours.values()), (counter, ours)

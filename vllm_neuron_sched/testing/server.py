@@ -11,6 +11,7 @@ killing a server's process mid-stream is ``kills``'.
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -36,11 +37,19 @@ def free_port() -> int:
 
 
 def engine_args(engine: dict[str, Any]) -> list[str]:
-    """``{"max_num_seqs": 8, "enforce_eager": True}`` -> CLI flags."""
+    """``{"max_num_seqs": 8, "enforce_eager": True}`` -> CLI flags
+    (``False``: ``--no-...``; a dict: JSON)."""
     args: list[str] = []
     for key, value in engine.items():
-        flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
+        name = key.replace("_", "-")
+        if value is True:
+            args.append(f"--{name}")
+        elif value is False:
+            args.append(f"--no-{name}")
+        elif isinstance(value, dict):
+            args += [f"--{name}", json.dumps(value)]
+        else:
+            args += [f"--{name}", str(value)]
     return args
 
 
