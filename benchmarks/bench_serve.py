@@ -1,8 +1,9 @@
 """vLLM's own serving client against stock vLLM, our sync and our async
 servers, side by side: ``python -m benchmarks.bench_serve``.
 
-Per mode: starts the OpenAI server on the embedded tiny checkpoint (default
-compilation, a free loopback port), then runs
+Per mode: starts the OpenAI server on the embedded tiny checkpoint, or with
+``--model real`` on SmolLM2-135M-Instruct (``testing/real_model.py``)
+(default compilation, a free loopback port), then runs
 
     vllm-neuron-sched bench serve --backend vllm --dataset-name random \\
         --random-input-len 48 --random-output-len 64 --num-prompts 64 \\
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_neuron_sched.testing.checkpoint import ensure_checkpoint
+from vllm_neuron_sched.testing.real_model import ensure_real_checkpoint
 from vllm_neuron_sched.testing.server import SERVED_MODEL, OpenAIServer
 
 MODES = ("stock", "stock_async", "sync", "async")
@@ -89,6 +91,7 @@ def run_mode(mode: str, checkpoint: Path, args: Any, logs: Path) -> dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -100,7 +103,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    checkpoint = ensure_checkpoint()
+    real = args.model == "real"
+    checkpoint = ensure_real_checkpoint() if real else ensure_checkpoint()
     logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     load_start = os.getloadavg()
     results = {}
@@ -128,6 +132,7 @@ def main() -> None:
                 print(f"async over {other}: {median:.2f}")
     report = {
         "command": " ".join(["python -m benchmarks.bench_serve", *sys.argv[1:]]),
+        "model": str(checkpoint),
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "results": results,

@@ -12,6 +12,12 @@ is right on every other cycle and wrong on the rest. Workloads:
 shorter outputs). One warm-up run, then ``--repeats`` timed ``LLM.generate``
 runs of the whole workload; the medians are reported with vLLM's acceptance
 counters and our step counters.
+
+``--model real`` runs SmolLM2-135M-Instruct instead (``testing/real_model.py``)
+on one ``copy`` workload: chat prompts that ask to repeat, summarize or
+extract from a passage of real text, which a real model answers by copying
+from its prompt (the n-gram proposer's case), greedy with EOS on. There is no
+draft model for it: the ``*_draft`` modes are left out.
 """
 
 import argparse
@@ -69,10 +75,33 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 }
 
 
-def workload(name: str, checkpoint: str) -> tuple[list[list[int]], list[int]]:
-    """Prompts and their output budgets."""
+COPY_TASKS = (
+    "Repeat the text exactly.",
+    "Summarize the text.",
+    "Extract every year and number in the text, with the sentence it is in.",
+    "Repeat the last three sentences of the text exactly.",
+    "List the people and places in the text, quoting where each is named.",
+    "Rewrite the text as a list of short facts.",
+    "Repeat the first two sentences of the text exactly.",
+    "Quote the sentence about the logbooks, then explain it.",
+)
+
+
+def copy_prompts(checkpoint: str) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from vllm_neuron_sched.testing.real_model import PASSAGE, chat_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return [chat_prompt(tokenizer, f"{PASSAGE}\n\n{task}") for task in COPY_TASKS]
+
+
+def workload(name: str, checkpoint: str) -> tuple[list, list[int]]:
+    """Prompts (token ids or text) and their output budgets."""
     from vllm_neuron_sched.testing.checkpoint import repeat_prompt_ids, successor_map
 
+    if name == "copy":
+        return copy_prompts(checkpoint), [128] * len(COPY_TASKS)
     repeat = [repeat_prompt_ids(checkpoint, seed, length=32) for seed in range(8)]
     if name == "decode_heavy":
         return repeat, [256] * 8
@@ -93,9 +122,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs, _ = MODES[spec["mode"]]
     llm = LLM(model=spec["checkpoint"], **ENGINE, **kwargs)
     prompts, budgets = workload(spec["workload"], spec["checkpoint"])
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    # Real text ends on EOS; the trained cycles have none worth ending on.
+    ignore_eos = spec["workload"] != "copy"
     params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in budgets
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+        for n in budgets
     ]
 
     def stats() -> dict[str, int] | None:
@@ -127,7 +159,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "walls": walls,
         "num_tokens": num_tokens,
-        "tokens_per_request": max(budgets),
+        "tokens_per_request": max(len(o.outputs[0].token_ids) for o in outs),
         "counters": counters,
         "steps": steps,
     }
@@ -177,20 +209,29 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_spec"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--workloads", default="decode_heavy,mixed")
+    parser.add_argument("--workloads", default=None, help="default: per model")
+    parser.add_argument("--model", choices=("repeat", "real"), default="repeat")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(RESULT + json.dumps(child(json.loads(sys.stdin.read()))), flush=True)
         return
     from vllm_neuron_sched.testing.checkpoint import ensure_trained_checkpoints
+    from vllm_neuron_sched.testing.real_model import ensure_real_checkpoint
 
-    checkpoint = str(ensure_trained_checkpoints()[0])
+    if args.model == "real":
+        checkpoint = str(ensure_real_checkpoint())
+        args.workloads = args.workloads or "copy"
+        modes = [m for m in args.modes.split(",") if not m.endswith("_draft")]
+    else:
+        checkpoint = str(ensure_trained_checkpoints()[0])
+        args.workloads = args.workloads or "decode_heavy,mixed"
+        modes = args.modes.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}")
     table: dict[str, dict[str, Any]] = {}
     for name in args.workloads.split(","):
-        for mode in args.modes.split(","):
+        for mode in modes:
             raw = run(mode, name, checkpoint, args.repeats)
             table[f"{name}/{mode}"] = {"raw": raw, **summarize(raw)}
             row = table[f"{name}/{mode}"]
@@ -200,7 +241,13 @@ def main() -> None:
                 f"per position {row['per_position']} steps {row['steps']}",
                 flush=True,
             )
-    (args.out / "speculative.json").write_text(json.dumps(table, indent=2))
+    report = {
+        "command": " ".join(["python -m benchmarks.speculative", *sys.argv[1:]]),
+        "model": checkpoint,
+        "loadavg_end": os.getloadavg(),
+        "results": table,
+    }
+    (args.out / "speculative.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from vllm_neuron_sched.testing.real_model import (
     REAL_CHECKPOINT,
     REAL_MODEL_NAME,
     RealModelUnavailable,
+    chat_prompt,
     ensure_real_checkpoint,
 )
 
@@ -92,11 +93,7 @@ def _requests(llm: Any, num_requests: int, max_tokens: int) -> tuple[list, list]
     tokenizer = llm.get_tokenizer()
     if getattr(tokenizer, "chat_template", None):
         prompts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+            chat_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)])
             for i in range(num_requests)
         ]
         params = [

@@ -21,6 +21,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from vllm_neuron_sched.testing.checkpoint import CACHE_DIR
 
@@ -33,6 +34,30 @@ _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "neuron_sched_real.json"
 _NEEDS = ("transformers", "gguf", "accelerate")
 _HOW = 'pip install -e ".[real]" (the gguf and accelerate packages)'
+
+
+# Real text for prompts of a few hundred tokens (tests, benchmarks): facts to
+# answer from, sentences to repeat, numbers and names to extract.
+PASSAGE = (
+    "The lighthouse on the northern cape was built in 1874 from granite quarried "
+    "on the island itself. Its keeper, a retired sailor named Elias Brandt, kept "
+    "a logbook of every ship that passed, the weather at dawn and dusk, and the "
+    "number of birds that struck the lamp room windows during the autumn storms. "
+    "In 1921 the lamp was converted from oil to electricity, and in 1968 the "
+    "station was automated; the last keeper left the island that October. "
+    "Today the tower is a museum. Visitors climb 112 steps to the gallery, from "
+    "which, on a clear day, they can see the coast of the mainland thirty "
+    "kilometres to the south. The logbooks, all forty-three volumes, are kept "
+    "in the keeper's cottage, and a volunteer reads one entry aloud every "
+    "evening at sunset. "
+)
+
+
+def chat_prompt(tokenizer: Any, text: str) -> str:
+    """``text`` as the user's turn in the model's chat template."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 class RealModelUnavailable(RuntimeError):
