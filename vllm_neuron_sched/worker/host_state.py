@@ -19,17 +19,12 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from vllm_neuron_sched.worker.token_table import DeviceTokens
+from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID, DeviceTokens
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.sample.logits_processor import LogitsProcessors
-
-    from vllm_neuron_sched.worker.inputs import StepInputs
-
-# A sampled token in a host history while it is still only on the device.
-PLACEHOLDER_TOKEN_ID = -1
 
 # req_id -> (the request's output_token_ids, index of its first placeholder,
 # how many); the list itself is held, so a finished request's history is
@@ -279,21 +274,24 @@ class HostRequestState:
 
     # ---- sampled tokens: placeholders at enqueue, filled at retirement -----
 
-    def add_placeholders(self, inputs: "StepInputs") -> Placeholders:
-        """Each sampling row's history grows by its placeholders now (one, or
-        1 + drafts for a verify row, as the scheduler counts them), so the
-        next step's shapes are right before the tokens are known."""
+    def add_placeholders(
+        self, req_ids: list[str], num_new_tokens: np.ndarray
+    ) -> Placeholders:
+        """Each sampling row's history grows by its placeholders now
+        (``num_new_tokens[row]``: one, or 1 + drafts for a verify row, as the
+        scheduler counts them), so the next step's shapes are right before
+        the tokens are known."""
         batch = self.batch
         width = batch.token_ids_cpu.shape[1]
         placeholders: Placeholders = {}
-        for row in np.flatnonzero(inputs.num_new_tokens).tolist():
-            count = int(inputs.num_new_tokens[row])
+        for row in np.flatnonzero(num_new_tokens).tolist():
+            count = int(num_new_tokens[row])
             start = int(batch.num_tokens_no_spec[row])
             batch.token_ids_cpu[row, start : min(start + count, width)] = (
                 PLACEHOLDER_TOKEN_ID
             )
             batch.num_tokens_no_spec[row] = start + count
-            req_id = inputs.req_ids[row]
+            req_id = req_ids[row]
             history = self.requests[req_id].output_token_ids
             placeholders[req_id] = (history, len(history), count)
             history.extend([PLACEHOLDER_TOKEN_ID] * count)

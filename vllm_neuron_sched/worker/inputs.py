@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 from vllm_neuron_sched.core.step_view import BatchShape
-from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
 from vllm_neuron_sched.worker.speculation import VerifyPlan, plan_verify
 from vllm_neuron_sched.worker.token_table import (
+    PLACEHOLDER_TOKEN_ID,
     SPARE_TOKEN_SLOT,
     TableGather,
     plan_gather,
@@ -57,13 +58,7 @@ class StepInputs:
     # [num_reqs] request ids, in input-batch row order (the output order).
     req_ids: list[str]
     shape: BatchShape
-    # [num_reqs] tokens scheduled per row.
-    num_scheduled: np.ndarray
-    # [num_reqs] num_computed_tokens per row before this step.
-    num_computed: np.ndarray
     num_tokens_padded: int  # the static shape run on the device
-    # The declared prefill shape of a prefill step; None for other steps.
-    prefill_shape: PrefillShape | None
     # [num_reqs] where each row's first token sits in the padded step.
     row_offsets: np.ndarray
     # [num_tokens_padded] int32; padded entries 0. Decode rows' entries are
@@ -223,10 +218,7 @@ def build_step_inputs(
     return StepInputs(
         req_ids=req_ids,
         shape=shape,
-        num_scheduled=num_scheduled,
-        num_computed=num_computed,
         num_tokens_padded=layout.num_tokens_padded,
-        prefill_shape=layout.prefill_shape,
         row_offsets=layout.row_offsets,
         input_ids=input_ids,
         gather=gather,
@@ -289,10 +281,7 @@ def _verify_inputs(
     return StepInputs(
         req_ids=req_ids,
         shape=BatchShape.DECODE,
-        num_scheduled=num_scheduled,
-        num_computed=num_computed,
         num_tokens_padded=plan.num_tokens_padded,
-        prefill_shape=None,
         row_offsets=np.arange(num_reqs, dtype=np.int64) * plan.width,
         input_ids=empty,
         gather=None,
@@ -367,7 +356,7 @@ class _Layout:
             seq_lens_np = query_lens.copy()
             seq_lens_np[:num_reqs] += self.num_computed
             # Padded queries reach past the row's blocks: the null block 0.
-            width = max(table_np.shape[1], -(-int(seq_lens_np.max()) // block_size))
+            width = max(table_np.shape[1], cdiv(int(seq_lens_np.max()), block_size))
             block_table = np.zeros((shape.rows, width), dtype=table_np.dtype)
             block_table[:num_reqs, : table_np.shape[1]] = table_np[:num_reqs]
             num_actual_tokens = shape.size

@@ -368,7 +368,9 @@ class NeuronSchedModelRunner:
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).
-            placeholders = self.host.add_placeholders(inputs)
+            placeholders = self.host.add_placeholders(
+                inputs.req_ids, inputs.num_new_tokens
+            )
             step = InFlightStep(self.flow.step, result, output, placeholders)
             step_output = self.flow.end_step(step, inputs.shape, inputs.num_table_rows)
             if self.speculation is not None:

@@ -9,7 +9,7 @@ from vllm.logger import init_logger
 
 from vllm_neuron_sched import envs
 from vllm_neuron_sched.worker.async_flow import FlowObserver, InFlightStep
-from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
+from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

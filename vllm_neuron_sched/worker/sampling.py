@@ -30,13 +30,13 @@ from vllm_neuron_sched.runtime import (
     DeviceStateError,
     Materializer,
 )
-from vllm_neuron_sched.worker.host_state import PLACEHOLDER_TOKEN_ID
 from vllm_neuron_sched.worker.speculation import (
     Proposer,
     after_prompt_sampling,
     plan_grammar,
     verify_on_device,
 )
+from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 logger = init_logger(__name__)
 

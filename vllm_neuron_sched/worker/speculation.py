@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 from vllm.model_executor.layers.utils import apply_penalties
+from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor import LogitsProcessors
@@ -404,7 +405,7 @@ def rectangular_attention(
     for group, rows_table in tables:
         block_size = group.kv_cache_spec.block_size
         real_rows = min(rows_table.shape[0], num_rows)
-        columns = max(rows_table.shape[1], -(-int(seq_lens.max()) // block_size))
+        columns = max(rows_table.shape[1], cdiv(int(seq_lens.max()), block_size))
         table = torch.zeros((num_rows, columns), dtype=rows_table.dtype)
         table[:real_rows, : rows_table.shape[1]] = rows_table[:real_rows]
         block = table[row_of, flat_positions // block_size].to(torch.int64)

@@ -18,6 +18,8 @@ import torch
 if TYPE_CHECKING:
     from vllm_neuron_sched.runtime import Device
 
+# A sampled token in a host history while it is still only on the device.
+PLACEHOLDER_TOKEN_ID = -1
 # Slot 0 is the spare slot: rows that sample nothing (padding, prompt chunks
 # that are not the last) write their token there, and nothing reads it.
 SPARE_TOKEN_SLOT = 0
@@ -75,7 +77,6 @@ class DeviceTokens:
         self._device = device
         self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
         self.history_len = history_len
-        self.num_drafts = num_drafts
         # Speculative decoding only (device-owned, like the table): [slots, L]
         # token ids, [slots] tokens known, [slots, K] drafts, [slots] drafts.
         self.history = torch.zeros((capacity + 1, history_len), dtype=torch.int32)
