@@ -25,10 +25,26 @@ if TYPE_CHECKING:
     VLLM_NEURON_SCHED_METRICS_DIR: str = ""
     VLLM_NEURON_SCHED_FAULT_AT_EXECUTION: int = 0
 
-# The one list of device kinds: "auto", then one per backend class in
-# runtime/backends.py (which asserts that at import). Kept here, free of
-# imports, so the variable is checked in processes that load no backend.
-DEVICE_KINDS = ("auto", "thread", "inline")
+# The built-in device kinds: "auto", then one per backend class in
+# runtime/backends.py (which asserts that at import). An installed package adds
+# its own under the entry-point group DEVICE_ENTRY_POINTS. Names only, no
+# import, so the variable is checked in processes that load no backend.
+BUILTIN_DEVICE_KINDS = ("auto", "thread", "inline")
+DEVICE_ENTRY_POINTS = "vllm_neuron_sched.devices"
+
+
+def device_kinds() -> tuple[str, ...]:
+    """The built-in kinds, then those installed packages register."""
+    from importlib.metadata import entry_points
+
+    plugins = sorted(
+        {ep.name.lower() for ep in entry_points(group=DEVICE_ENTRY_POINTS)}
+    )
+    return BUILTIN_DEVICE_KINDS + tuple(
+        k for k in plugins if k not in BUILTIN_DEVICE_KINDS
+    )
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -63,12 +79,14 @@ def _number(
     return read
 
 
-def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+def _choice(
+    name: str, default: str, choices: Callable[[], tuple[str, ...]]
+) -> Callable[[], str]:
     def read() -> str:
         value = os.getenv(name, default).strip().lower()
-        if value not in choices:
+        if value not in (valid := choices()):
             raise ValueError(
-                f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}"
+                f"{name}={os.environ[name]!r}: expected one of {', '.join(valid)}"
             )
         return value
 
@@ -83,11 +101,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1": do not activate the platform; stock vLLM CPU runs (the tests' oracle).
     "VLLM_NEURON_SCHED_DISABLE": _bool("VLLM_NEURON_SCHED_DISABLE", "0"),
     # Device runtime backend: "thread" (a device thread per worker), "inline"
-    # (runs at enqueue on the worker's thread), or "auto": inline when the
+    # (runs at enqueue on the worker's thread), "auto": inline when the
     # device is the worker's own cores, thread when a simulated device
-    # latency is set (runtime/backends.py says why).
+    # latency is set (runtime/backends.py says why); or a kind an installed
+    # package registers (entry-point group vllm_neuron_sched.devices).
     "VLLM_NEURON_SCHED_DEVICE": _choice(
-        "VLLM_NEURON_SCHED_DEVICE", "auto", DEVICE_KINDS
+        "VLLM_NEURON_SCHED_DEVICE", "auto", device_kinds
     ),
     # Each device execution also holds the device this many milliseconds
     # without using a core, to measure overlap on its own. 0 = off.

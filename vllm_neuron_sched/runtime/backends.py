@@ -1,10 +1,13 @@
 """Device backends (thread, inline) and ``make_device``, which picks one.
 
-A port to real hardware adds a backend here: docs/design.md, section 9, says
-what it must implement and which tests to run against it."""
+A port to real hardware is a package of its own that registers its ``Device``
+subclass under the entry-point group ``vllm_neuron_sched.devices`` (name: its
+``kind``); docs/design.md, section 9, says what it must implement and the one
+command that runs the contract tests against it."""
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from importlib.metadata import entry_points
 
 from vllm.logger import init_logger
 
@@ -89,15 +92,44 @@ def _warn_still_running(device: Device, timeout_s: float | None) -> None:
     )
 
 
-# Kind -> backend. envs.DEVICE_KINDS is the one list of kinds: the variable is
-# checked against it at start-up, in processes that never import a backend.
+# Kind -> built-in backend. envs.BUILTIN_DEVICE_KINDS names them for the
+# start-up check, in processes that never import a backend.
 DEVICE_BACKENDS: dict[str, type[Device]] = {
     backend.kind: backend for backend in (ThreadDevice, InlineDevice)
 }
-assert ("auto", *DEVICE_BACKENDS) == envs.DEVICE_KINDS, (
-    f"envs.DEVICE_KINDS {envs.DEVICE_KINDS} must list 'auto' and then exactly "
-    f"the registered backends {tuple(DEVICE_BACKENDS)}"
+assert ("auto", *DEVICE_BACKENDS) == envs.BUILTIN_DEVICE_KINDS, (
+    f"envs.BUILTIN_DEVICE_KINDS {envs.BUILTIN_DEVICE_KINDS} must list 'auto' "
+    f"and then exactly the built-in backends {tuple(DEVICE_BACKENDS)}"
 )
+
+
+def backend_of(kind: str) -> type[Device]:
+    """The backend class of ``kind``: built in, or loaded from the installed
+    package that registers it."""
+    if kind in DEVICE_BACKENDS:
+        return DEVICE_BACKENDS[kind]
+    found = [
+        ep
+        for ep in entry_points(group=envs.DEVICE_ENTRY_POINTS)
+        if ep.name.lower() == kind
+    ]
+    if not found:
+        raise ValueError(
+            f"unknown device kind {kind!r}; valid kinds: "
+            f"{', '.join(envs.device_kinds())}"
+        )
+    backend = found[0].load()
+    if not (isinstance(backend, type) and issubclass(backend, Device)):
+        raise TypeError(
+            f"entry point {found[0].value!r} ({envs.DEVICE_ENTRY_POINTS}: "
+            f"{kind}) is not a subclass of vllm_neuron_sched.runtime.Device"
+        )
+    if backend.kind != kind:
+        raise TypeError(
+            f"entry point {found[0].value!r} is registered as {kind!r} but its "
+            f"kind is {backend.kind!r}"
+        )
+    return backend
 
 
 def make_device(
@@ -122,11 +154,7 @@ def make_device(
         sim_device_ms = envs.VLLM_NEURON_SCHED_SIM_DEVICE_MS
     if kind == "auto":
         kind = "thread" if sim_device_ms > 0 else "inline"
-    backend = DEVICE_BACKENDS.get(kind)
-    if backend is None:
-        raise ValueError(
-            f"unknown device kind {kind!r}; valid kinds: {', '.join(envs.DEVICE_KINDS)}"
-        )
+    backend = backend_of(kind)
     if sim_device_ms < 0:
         raise ValueError(f"sim_device_ms must be >= 0, got {sim_device_ms}")
     logger.debug(

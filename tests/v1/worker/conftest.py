@@ -2,6 +2,9 @@
 
 import pytest
 
+# The device contract suite's fixture (test_runtime.py, test_device_contract.py).
+from vllm_neuron_sched.testing.conformance.conftest import new_device  # noqa: F401
+
 
 @pytest.fixture(params=["default", "thread"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
