@@ -29,7 +29,7 @@ from vllm.compilation.backends import set_model_tag
 from vllm.config.utils import replace
 from vllm.model_executor.model_loader import get_model
 
-from vllm_neuron_sched.worker.inputs import run_model
+from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.kv_cache import DRAFT_PREFIX
 from vllm_neuron_sched.worker.speculation import (
     AcceptedTokens,

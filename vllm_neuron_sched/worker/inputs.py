@@ -23,11 +23,10 @@ be a view of the persistent input batch.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.forward_context import set_forward_context
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -42,7 +41,6 @@ from vllm_neuron_sched.worker.token_table import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -375,39 +373,3 @@ class _Layout:
             slot_mapping=kv_slots,
             positions=positions[:num_actual_tokens],
         )
-
-
-def build_attention_metadata(
-    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
-) -> dict[str, Any]:
-    """layer name -> its backend's metadata. Device thread only: vLLM's CPU
-    builder sizes the process-global scratchpad (its realloc frees the old
-    buffer) that the running forward's kernels read, so it must not run on
-    the host while an execution is in flight."""
-    attn_metadata: dict[str, Any] = {}
-    for group, common in attn_inputs:
-        metadata = group.build_metadata(common)
-        for layer_name in group.layer_names:
-            attn_metadata[layer_name] = metadata
-    return attn_metadata
-
-
-def run_model(
-    model: Any,
-    vllm_config: "VllmConfig",
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
-    slot_mapping: dict[str, torch.Tensor],
-    num_tokens_padded: int,
-) -> torch.Tensor:
-    """Device side: ``model`` (the target or a draft) at the step's padded
-    shape, its attention metadata built here (section 11: never on the
-    host)."""
-    with set_forward_context(
-        build_attention_metadata(attn_inputs),
-        vllm_config,
-        num_tokens=num_tokens_padded,
-        slot_mapping=slot_mapping,
-    ):
-        return model(input_ids=input_ids, positions=positions)

@@ -58,21 +58,18 @@ from vllm_neuron_sched.core.prefill_shapes import engine_prefill_shapes
 from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
+from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.draft_model import DraftModel
 from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
     PromptLogprobsJob,
     StepUpdate,
 )
-from vllm_neuron_sched.worker.inputs import (
-    StepInputs,
-    build_step_inputs,
-    run_model,
-)
+from vllm_neuron_sched.worker.inputs import StepInputs, build_step_inputs
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
+from vllm_neuron_sched.worker.results import DraftedOutput, VerifyForward
 from vllm_neuron_sched.worker.sampling import (
-    DraftedOutput,
     enqueue_sampling,
     prompt_logprobs_on_device,
 )
@@ -108,7 +105,7 @@ class ForwardState:
     scheduler_output: "SchedulerOutput"
     inputs: StepInputs
     # [num_reqs, vocab] logits of the sampling rows, None when none samples;
-    # for a verify step, the verify forward's result (``_verify_on_device``).
+    # for a verify step, its VerifyForward.
     logits: "DeviceFuture"
     prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
 
@@ -474,7 +471,7 @@ class NeuronSchedModelRunner:
                 return None
             return self.model.compute_logits(hidden_states[logits_indices])
 
-    def _verify_on_device(self, plan: VerifyPlan) -> dict[str, torch.Tensor]:
+    def _verify_on_device(self, plan: VerifyPlan) -> VerifyForward:
         """Runs on the device: a verify step's inputs from the token slots,
         then the model at ``[decode bucket, 1 + K]``, logits of every real
         row's queries."""
@@ -492,11 +489,11 @@ class NeuronSchedModelRunner:
                 plan.num_tokens_padded,
             )
             num_real = plan.num_rows * plan.width
-            return {
-                "logits": self.model.compute_logits(hidden_states[:num_real]),
-                "num_drafts": inputs.num_drafts,
-                "starts": inputs.starts,
-            }
+            return VerifyForward(
+                self.model.compute_logits(hidden_states[:num_real]),
+                inputs.num_drafts,
+                inputs.starts,
+            )
 
     def _dummy_forward(self, num_tokens: int) -> None:
         models = [self.model] + ([] if self.draft is None else [self.draft.model])

@@ -8,7 +8,7 @@ samples; an inline device samples at enqueue and reads the batch as it is.
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +23,8 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
-from vllm_neuron_sched.core.errors import FailedStepOutput
-from vllm_neuron_sched.runtime import (
-    DeviceExecutionError,
-    DeviceFuture,
-    DeviceStateError,
-    Materializer,
-)
+from vllm_neuron_sched.runtime import DeviceFuture, Materializer
+from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.speculation import (
     Proposer,
     after_prompt_sampling,
@@ -104,14 +99,6 @@ def _is_idle(processor: object) -> bool:
     return False
 
 
-@dataclass
-class DraftedOutput(ModelRunnerOutput):
-    """A speculating step's output, with the drafts its sampling proposed for
-    each row's next step (sync scheduling hands them to the scheduler)."""
-
-    draft_token_ids: list[list[int]] = field(default_factory=list)
-
-
 def history_repairs(
     histories: Sequence[list[int]], slots: np.ndarray
 ) -> list[tuple[int, int]]:
@@ -134,7 +121,7 @@ def sample_on_device(
     repairs: list[tuple[int, int]],
     grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
     speculation: "tuple[Proposer, torch.Tensor, dict[int, torch.Tensor]] | None" = None,
-) -> dict[str, Any]:
+) -> Sampled:
     """Runs on the device thread. Samples, writes each sampling row's token
     into the device token table (``write_slots``; non-sampling rows point at
     the padding slot) and returns the tokens and their logprobs.
@@ -168,13 +155,13 @@ def sample_on_device(
         for row, state in kept_states.items():
             metadata.generators[row].set_state(state)
         tokens.write(write_slots, sampled)
-        result = {"sampled": sampled, "logprobs": output.logprobs_tensors}
+        drafts = None
         if speculation is not None:
             proposer, positions, tables = speculation
-            result |= after_prompt_sampling(
+            drafts = after_prompt_sampling(
                 proposer, tokens, write_slots, positions, sampled, tables
             )
-    return result
+    return Sampled(sampled, output.logprobs_tensors, drafts)
 
 
 def prompt_logprobs_on_device(
@@ -276,93 +263,3 @@ def _own_masks(
     its mask buffer for the next step while this one may still sample."""
     own = replace(grammar_output, grammar_bitmask=grammar_output.grammar_bitmask.copy())
     return scheduler_output, own, list(req_ids)
-
-
-def make_output_materializer(
-    result: DeviceFuture,
-    req_ids: Sequence[str],
-    is_sampled: Sequence[bool],
-    prompt_logprobs: dict[str, LogprobsTensors],
-    fails_requests_alone: bool,
-) -> Materializer[ModelRunnerOutput]:
-    """The device result as host lists, built at most once by whichever thread
-    asks first. It reads only its own captures, never the input batch.
-
-    ``result`` is the step's sampling, or its forward when no row samples
-    (its value is then None). If it failed, the step's requests finish with
-    an error (``FailedStepOutput``; with ``fails_requests_alone``, else the
-    error stops the engine); a failed state update (``DeviceStateError``)
-    always stops the engine: nothing computed after it can be trusted.
-    """
-    req_ids = list(req_ids)
-    is_sampled = list(is_sampled)
-    index = {req_id: i for i, req_id in enumerate(req_ids)}
-
-    def materialize() -> ModelRunnerOutput:
-        try:
-            values = result.result()
-        except DeviceStateError:
-            raise
-        except DeviceExecutionError as exc:
-            if not fails_requests_alone:
-                raise
-            logger.error(
-                "A device execution of a step failed; its requests %s finish "
-                "with an error, the others go on",
-                req_ids,
-                exc_info=exc,
-            )
-            return FailedStepOutput(
-                req_ids=req_ids,
-                req_id_to_index=index,
-                sampled_token_ids=[[] for _ in req_ids],
-                failed_req_ids=dict.fromkeys(req_ids, _root_cause(exc)),
-            )
-        if values is None:  # prompt chunks that are not their last
-            return ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index=index,
-                sampled_token_ids=[[] for _ in req_ids],
-            )
-        if "tokens" in values:  # a verify step: each row's accepted run
-            counts = values["counts"].tolist()
-            rows = values["tokens"].tolist()
-            sampled = [row[:count] for row, count in zip(rows, counts)]
-            logprobs = values["logprobs"]
-        else:
-            tokens = values["sampled"].tolist()
-            sampled = [
-                [token] if keep else [] for token, keep in zip(tokens, is_sampled)
-            ]
-            logprobs = values["logprobs"]
-        if "drafts" not in values:
-            return ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index=index,
-                sampled_token_ids=sampled,
-                logprobs=None if logprobs is None else logprobs.tolists(),
-                prompt_logprobs_dict=prompt_logprobs,
-            )
-        draft_counts = values["draft_counts"].tolist()
-        drafts = [
-            row[:count] if keep else []
-            for row, count, keep in zip(
-                values["drafts"].tolist(), draft_counts, is_sampled
-            )
-        ]
-        return DraftedOutput(
-            req_ids=req_ids,
-            req_id_to_index=index,
-            sampled_token_ids=sampled,
-            logprobs=None if logprobs is None else logprobs.tolists(),
-            prompt_logprobs_dict=prompt_logprobs,
-            draft_token_ids=drafts,
-        )
-
-    return Materializer(materialize)
-
-
-def _root_cause(error: BaseException) -> str:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return repr(error)

@@ -38,6 +38,7 @@ from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
+from vllm_neuron_sched.worker.results import Drafts, Verified, VerifyForward
 from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
 if TYPE_CHECKING:
@@ -433,20 +434,20 @@ def verify_on_device(
     proposer: Proposer,
     sampler: "Sampler",
     tokens: "DeviceTokens",
-    forward: dict[str, Any],
+    forward: VerifyForward,
     metadata: "SamplingMetadata",
     plan: VerifyPlan,
     grammar: VerifyGrammar | None = None,
-) -> dict[str, Any]:
+) -> Verified:
     """Device side, after the verify forward: the grammar's masks (in place,
     so the raw logprobs see them, as in vLLM), rejection sampling, the
     accepted tokens into the histories and the table, the next drafts."""
     with torch.inference_mode():
-        num_drafts = forward["num_drafts"]
+        num_drafts = forward.num_drafts
         if grammar is not None:
-            num_drafts = apply_verify_grammar(forward["logits"], num_drafts, grammar)
+            num_drafts = apply_verify_grammar(forward.logits, num_drafts, grammar)
         logits, metadata = constrain_verify_logits(
-            forward["logits"], plan, tokens, metadata
+            forward.logits, plan, tokens, metadata
         )
         sampled = rejection_sample(
             sampler,
@@ -460,26 +461,23 @@ def verify_on_device(
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = verify_logprobs(
-                sampler, forward["logits"], logits, sampled, metadata
+                sampler, forward.logits, logits, sampled, metadata
             )
-        tokens.accept(plan.slots, forward["starts"], sampled, accepted)
+        tokens.accept(plan.slots, forward.starts, sampled, accepted)
         proposer.propose(
             tokens,
             AcceptedTokens(
                 plan.slots,
-                forward["starts"],
+                forward.starts,
                 sampled,
                 accepted,
                 {group.kv_cache_group_id: table for group, table in plan.tables},
             ),
         )
-        return {
-            "tokens": sampled,
-            "counts": accepted,
-            "logprobs": logprobs,
-            "drafts": tokens.drafts[plan.slots].clone(),
-            "draft_counts": tokens.draft_counts[plan.slots].clone(),
-        }
+        drafts = Drafts(
+            tokens.drafts[plan.slots].clone(), tokens.draft_counts[plan.slots].clone()
+        )
+        return Verified(sampled, accepted, logprobs, drafts)
 
 
 def constrain_verify_logits(
@@ -703,7 +701,7 @@ def after_prompt_sampling(
     positions: torch.Tensor,
     sampled: torch.Tensor,
     tables: dict[int, torch.Tensor],
-) -> dict[str, torch.Tensor]:
+) -> Drafts:
     """Device side, after a prompt's last chunk sampled its first token: the
     token into the history, and the first drafts, so the request's first
     decode step already verifies drafts. Rows that sample nothing write the
@@ -714,7 +712,4 @@ def after_prompt_sampling(
     proposer.propose(
         tokens, AcceptedTokens(slots, positions, sampled[:, None], counts, tables)
     )
-    return {
-        "drafts": tokens.drafts[slots].clone(),
-        "draft_counts": tokens.draft_counts[slots].clone(),
-    }
+    return Drafts(tokens.drafts[slots].clone(), tokens.draft_counts[slots].clone())

@@ -1,17 +1,16 @@
 """The worker: vLLM's CPU worker (thread binding, distributed init, memory
 sizing) with our model runner in place of ``CPUModelRunner``."""
 
-import os
-import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.logger import init_logger
-from vllm.platforms import CpuArchEnum, current_platform
-from vllm.utils.torch_utils import set_random_seed
+from vllm.platforms import current_platform
+from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from vllm_neuron_sched.metrics import COUNTERS, CounterPublisher
 from vllm_neuron_sched.runtime import make_device
@@ -28,46 +27,26 @@ class NeuronSchedWorker(CPUWorker):
     model_runner: NeuronSchedModelRunner
 
     def init_device(self) -> None:
-        """The CPU worker's device set-up, then our runner.
-
-        ``CPUWorker.init_device`` ends by constructing ``CPUModelRunner``
-        itself, with no hook to construct another, so for generation this
-        does its set-up with vLLM's own functions, in its order (vLLM 0.32:
-        the LD_PRELOAD advice, no ``torch.set_num_threads`` after the thread
-        binding, the shared-memory name, distributed init, the seed), and
-        then builds our runner with this worker's TP group and device.
-        Pooling runs whole static batches synchronously: vLLM's runner.
-        """
+        """vLLM's CPU worker's device set-up (thread binding, distributed
+        init, seed), building our runner where it builds ``CPUModelRunner``.
+        Pooling runs whole static batches synchronously: vLLM's runner."""
         self.use_v2_model_runner = False
         self._counters: CounterPublisher | None = None
+        # Ranks tell their node by device_count() (platform.py says why).
         current_platform.set_workers_per_node(self.parallel_config.local_world_size)
         if self.model_config.runner_type != "generate":
             super().init_device()
             return
-        self.device = torch.device("cpu")
-        _advise_preloaded_libraries()
-        torch.set_num_threads = _keep_bound_threads
-        init_method = self.distributed_init_method
-        os.environ["VLLM_DIST_IDENT"] = (
-            os.path.basename(init_method.removeprefix("file://"))
-            if init_method.startswith("file://")
-            else init_method.split(":")[-1]
-        )
-        init_worker_distributed_environment(
-            self.vllm_config,
-            self.rank,
-            self.distributed_init_method,
-            self.local_rank,
-            current_platform.dist_backend,
-        )
-        set_random_seed(self.model_config.seed)
-        tp_group = get_tp_group()
-        self.model_runner = NeuronSchedModelRunner(
-            self.vllm_config,
-            tp_group,
-            make_device(label=f"tp{tp_group.rank_in_group}"),
-            self.device,
-        )
+
+        def our_runner(vllm_config: Any, device: torch.device) -> Any:
+            tp_group = get_tp_group()  # made by the set-up, before this call
+            label = f"tp{tp_group.rank_in_group}"
+            return NeuronSchedModelRunner(
+                vllm_config, tp_group, make_device(label=label), device
+            )
+
+        with _runner_class(our_runner):
+            super().init_device()
         if self.model_runner.tp_rank == 0:
             # data_parallel_index: the replica, also for dense models, whose
             # data_parallel_rank vLLM resets to 0 in every engine core.
@@ -142,28 +121,21 @@ class NeuronSchedWorker(CPUWorker):
             self.model_runner.device.sim_device_s = sim_device_ms / 1000.0
 
 
-def _advise_preloaded_libraries() -> None:
-    """vLLM's CPU worker's advice: these allocators and OpenMP runtimes are
-    much faster preloaded."""
-    if not sys.platform.startswith("linux"):
-        return
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    libraries = ["libtcmalloc"]
-    if current_platform.get_cpu_architecture() == CpuArchEnum.X86:
-        libraries.append("libiomp")
-    for name in libraries:
-        if name not in preloaded:
-            logger.warning(
-                "%s is not found in LD_PRELOAD. For best performance, follow "
-                "the section `set LD_PRELOAD` of vLLM's CPU installation guide.",
-                name,
-            )
-
-
-def _keep_bound_threads(num_threads: int) -> None:
-    """vLLM's CPU rule: the worker's OpenMP threads are bound to its cores
-    before the model loads, and ``torch.set_num_threads`` would undo that."""
-    logger.warning(
-        "CPU backend doesn't allow to use `torch.set_num_threads` after the "
-        "thread binding, skip it."
-    )
+@contextmanager
+def _runner_class(factory: Callable[[Any, torch.device], Any]) -> Iterator[None]:
+    """``CPUWorker.init_device`` ends by constructing the module global
+    ``cpu_worker.CPUModelRunner(vllm_config, device)``, with no hook for
+    another runner: for that one call the name builds ours. Building vLLM's
+    runner and replacing it would allocate its input batch and buffers for
+    nothing."""
+    original = getattr(cpu_worker, "CPUModelRunner", None)
+    if original is None:
+        raise RuntimeError(
+            "vllm.v1.worker.cpu_worker has no CPUModelRunner: this vLLM builds "
+            "its CPU runner another way (vllm_neuron_sched is built for vLLM 0.32)"
+        )
+    cpu_worker.CPUModelRunner = factory
+    try:
+        yield
+    finally:
+        cpu_worker.CPUModelRunner = original

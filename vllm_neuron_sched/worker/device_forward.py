@@ -1,0 +1,52 @@
+"""Inside a forward execution only: the attention metadata and the model call.
+
+What runs here reads buffers the host built for this step and handed over at
+enqueue (the ownership rule, docs/design.md section 5); nothing here runs on
+the host, and nothing the host runs is here.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.forward_context import set_forward_context
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.utils import AttentionGroup
+
+
+def build_attention_metadata(
+    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
+) -> dict[str, Any]:
+    """layer name -> its backend's metadata. Device thread only: vLLM's CPU
+    builder sizes the process-global scratchpad (its realloc frees the old
+    buffer) that the running forward's kernels read, so it must not run on
+    the host while an execution is in flight."""
+    attn_metadata: dict[str, Any] = {}
+    for group, common in attn_inputs:
+        metadata = group.build_metadata(common)
+        for layer_name in group.layer_names:
+            attn_metadata[layer_name] = metadata
+    return attn_metadata
+
+
+def run_model(
+    model: Any,
+    vllm_config: "VllmConfig",
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
+    slot_mapping: dict[str, torch.Tensor],
+    num_tokens_padded: int,
+) -> torch.Tensor:
+    """Device side: ``model`` (the target or a draft) at the step's padded
+    shape, its attention metadata built here (section 11: never on the
+    host)."""
+    with set_forward_context(
+        build_attention_metadata(attn_inputs),
+        vllm_config,
+        num_tokens=num_tokens_padded,
+        slot_mapping=slot_mapping,
+    ):
+        return model(input_ids=input_ids, positions=positions)
