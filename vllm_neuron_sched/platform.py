@@ -105,7 +105,7 @@ def check_speculation(vllm_config: "VllmConfig") -> None:
     device, and a scheduler that never mixes prefill and decode (a verify
     step holds decode rows only)."""
     from vllm_neuron_sched.core.chunked_prefill import ChunkedPrefillMixin
-    from vllm_neuron_sched.worker.speculation import Speculation
+    from vllm_neuron_sched.worker.spec.config import Speculation
 
     Speculation.from_config(vllm_config)
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls

@@ -13,7 +13,7 @@ a packed shape pads to the shape, a decode batch to its bucket, a step of a
 scheduler that mixes to a token-count bucket.
 
 With speculative decoding a decode step is a *verify step*
-(``speculation.py``): rows at ``i * (1 + K)``, their inputs completed on the
+(``spec/verify.py``): rows at ``i * (1 + K)``, their inputs completed on the
 device; a prefill step also writes its prompt tokens into the device
 histories the n-gram proposer reads.
 
@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 from vllm_neuron_sched.core.step_view import BatchShape
-from vllm_neuron_sched.worker.speculation import VerifyPlan, plan_verify
+from vllm_neuron_sched.worker.spec.verify import VerifyPlan, plan_verify
 from vllm_neuron_sched.worker.token_table import (
     PLACEHOLDER_TOKEN_ID,
     SPARE_TOKEN_SLOT,

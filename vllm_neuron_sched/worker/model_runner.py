@@ -59,7 +59,6 @@ from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.device_forward import run_model
-from vllm_neuron_sched.worker.draft_model import DraftModel
 from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
     PromptLogprobsJob,
@@ -73,14 +72,10 @@ from vllm_neuron_sched.worker.sampling import (
     enqueue_sampling,
     prompt_logprobs_on_device,
 )
-from vllm_neuron_sched.worker.speculation import (
-    DRAFT_MODEL,
-    NgramProposer,
-    Proposer,
-    Speculation,
-    VerifyPlan,
-    complete_on_device,
-)
+from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
+from vllm_neuron_sched.worker.spec.draft_model import DraftModel
+from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
+from vllm_neuron_sched.worker.spec.verify import VerifyPlan, complete_on_device
 from vllm_neuron_sched.worker.timeline import StepTimeline
 from vllm_neuron_sched.worker.token_table import DeviceTokens, TableGather
 

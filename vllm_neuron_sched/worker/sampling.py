@@ -25,12 +25,9 @@ from vllm.v1.sample.logits_processor.builtin import (
 
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
-from vllm_neuron_sched.worker.speculation import (
-    Proposer,
-    after_prompt_sampling,
-    plan_grammar,
-    verify_on_device,
-)
+from vllm_neuron_sched.worker.spec.grammar import plan_grammar
+from vllm_neuron_sched.worker.spec.proposer import Proposer, after_prompt_sampling
+from vllm_neuron_sched.worker.spec.verify import verify_on_device
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 logger = init_logger(__name__)

@@ -57,7 +57,7 @@ class DeviceTokens:
 
     With speculative decoding (``history_len`` > 0) each slot also keeps the
     request's whole token history, its length, and the drafts proposed from
-    it (``speculation.py``): a verify step's input ids, positions and KV slots
+    it (``spec/``): a verify step's input ids, positions and KV slots
     come from here, because under async scheduling neither the host nor the
     scheduler knows yet how many drafts the step before was accepted.
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from vllm_neuron_sched.worker.ngram import propose_ngram_drafts
+from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 
 _REFERENCE = """
 import json, sys

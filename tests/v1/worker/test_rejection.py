@@ -9,7 +9,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_neuron_sched.worker.speculation import REJECTED, rejection_sample
+from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
 
 VOCAB = 6
 WIDTH = 3  # 1 + K, K = 2
@@ -111,10 +111,8 @@ def test_penalties_count_each_querys_drafts() -> None:
     from vllm.model_executor.layers.utils import apply_penalties
 
     from vllm_neuron_sched.runtime import make_device
-    from vllm_neuron_sched.worker.speculation import (
-        VerifyPlan,
-        constrain_verify_logits,
-    )
+    from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
+    from vllm_neuron_sched.worker.spec.verify import VerifyPlan
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
     vocab, width = 8, WIDTH
@@ -173,7 +171,7 @@ def _grammar_step(
     target's argmax: what the verify step outputs under the grammar."""
     from vllm.v1.core.sched.output import GrammarOutput
 
-    from vllm_neuron_sched.worker.speculation import (
+    from vllm_neuron_sched.worker.spec.grammar import (
         apply_verify_grammar,
         plan_grammar,
     )
@@ -232,7 +230,7 @@ def test_verify_logprobs_are_vllms_sampler_ones_in_every_mode(mode: str) -> None
     the top ones."""
     from dataclasses import replace
 
-    from vllm_neuron_sched.worker.speculation import verify_logprobs
+    from vllm_neuron_sched.worker.spec.rejection import verify_logprobs
 
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
     metadata = replace(

@@ -9,7 +9,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm_neuron_sched.core.limits import RequestLimits
 from vllm_neuron_sched.platform import ASYNC_CHUNKED_PREFILL_SCHEDULER
 from vllm_neuron_sched.testing.checkpoint import ensure_trained_checkpoints
-from vllm_neuron_sched.worker.speculation import Speculation
+from vllm_neuron_sched.worker.spec.config import Speculation
 
 K = 3
 

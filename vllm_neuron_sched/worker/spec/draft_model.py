@@ -31,12 +31,9 @@ from vllm.model_executor.model_loader import get_model
 
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.kv_cache import DRAFT_PREFIX
-from vllm_neuron_sched.worker.speculation import (
-    AcceptedTokens,
-    Speculation,
-    padded_positions,
-    rectangular_attention,
-)
+from vllm_neuron_sched.worker.spec.config import Speculation
+from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens
+from vllm_neuron_sched.worker.spec.verify import padded_positions, rectangular_attention
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,0 +1,83 @@
+"""Draft proposers behind one protocol: the n-gram proposer here, the draft
+model in ``draft_model.py``. Both run on the device, after a verify step's
+rejection sampling and after a prompt's first token."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_neuron_sched.worker.results import Drafts
+from vllm_neuron_sched.worker.spec.config import Speculation
+from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
+from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+    # Per attention group, the plain metadata its builder turns into its own.
+    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
+
+
+@dataclass(frozen=True)
+class AcceptedTokens:
+    """Device side: what a sampling execution just added to each row's
+    history, for the proposer: ``tokens[r, :counts[r]]`` at positions
+    ``starts[r]`` on (rows with count 0 added nothing), and each row's block
+    table per KV cache group (``[>= rows, columns]``)."""
+
+    slots: torch.Tensor  # [rows] int64
+    starts: torch.Tensor  # [rows] int64
+    tokens: torch.Tensor  # [rows, W] int32 (REJECTED past the counts)
+    counts: torch.Tensor  # [rows] int64
+    tables: dict[int, torch.Tensor]
+
+
+class Proposer(Protocol):
+    """Device side: the next drafts of the rows in ``accepted``, into
+    ``tokens.drafts`` and ``tokens.draft_counts``."""
+
+    def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None: ...
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    speculation: Speculation
+
+    def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
+        spec, slots = self.speculation, accepted.slots
+        drafts, counts = propose_ngram_drafts(
+            tokens.history,
+            tokens.lengths[slots],
+            slots,
+            spec.num_tokens,
+            spec.min_n,
+            spec.max_n,
+            spec.max_model_len,
+        )
+        tokens.drafts[slots] = drafts
+        tokens.draft_counts[slots] = counts
+
+
+def after_prompt_sampling(
+    proposer: Proposer,
+    tokens: "DeviceTokens",
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    sampled: torch.Tensor,
+    tables: dict[int, torch.Tensor],
+) -> Drafts:
+    """Device side, after a prompt's last chunk sampled its first token: the
+    token into the history, and the first drafts, so the request's first
+    decode step already verifies drafts. Rows that sample nothing write the
+    spare slot and add nothing."""
+    ones = torch.ones_like(positions)
+    tokens.accept(slots, positions, sampled[:, None], ones)
+    counts = torch.where(slots == SPARE_TOKEN_SLOT, 0, ones)
+    proposer.propose(
+        tokens, AcceptedTokens(slots, positions, sampled[:, None], counts, tables)
+    )
+    return Drafts(tokens.drafts[slots].clone(), tokens.draft_counts[slots].clone())

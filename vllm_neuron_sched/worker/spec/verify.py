@@ -1,0 +1,236 @@
+"""The verify step: its plan on the host (``plan_verify``), its inputs
+completed on the device from the token table (``complete_on_device``), and
+its verification after the forward (``verify_on_device``)."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_neuron_sched.worker.results import Drafts, Verified, VerifyForward
+from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
+from vllm_neuron_sched.worker.spec.grammar import VerifyGrammar, apply_verify_grammar
+from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens, Proposer
+from vllm_neuron_sched.worker.spec.rejection import (
+    REJECTED,
+    rejection_sample,
+    verify_logprobs,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+    # Per attention group, the plain metadata its builder turns into its own.
+    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """What the host knows of a verify step: the rows, their slots, how many
+    drafts the scheduler gave each, and the block tables. The device derives
+    the rest (``complete_on_device``)."""
+
+    width: int  # queries per row: 1 + K, or 1 when no row has drafts
+    num_rows: int
+    num_rows_padded: int  # the decode bucket
+    slots: torch.Tensor  # [num_rows] int64 token slots
+    scheduled_drafts: torch.Tensor  # [num_rows] int64
+    prompt_lens: torch.Tensor  # [num_rows] int64 (penalties count what follows)
+    # Per attention group: the group and its rows' [num_rows, blocks] block
+    # table (the device pads it to the step: ``rectangular_attention``).
+    tables: "list[tuple[AttentionGroup, torch.Tensor]]"
+    # (row, min_tokens, stop token ids) of the rows that set min_tokens.
+    min_tokens: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+
+    @property
+    def num_tokens_padded(self) -> int:
+        return self.num_rows_padded * self.width
+
+
+def plan_verify(
+    batch: "InputBatch",
+    scheduled_drafts: np.ndarray,
+    token_slots: np.ndarray,
+    num_rows_padded: int,
+    num_spec_tokens: int,
+    attn_groups: "list[AttentionGroup]",
+    min_tokens: list[tuple[int, int, tuple[int, ...]]] | None = None,
+) -> VerifyPlan:
+    """Host side, from the scheduler's decisions only: no position, since the
+    scheduler's ``num_computed_tokens`` may count drafts the device rejected
+    (it plans optimistically). The block tables are copies: the input batch
+    changes while the device runs."""
+    num_rows = batch.num_reqs
+    width = 1 + num_spec_tokens if scheduled_drafts.any() else 1
+    tables = [
+        (
+            group,
+            torch.from_numpy(
+                batch.block_table[group.kv_cache_group_id]
+                .get_numpy_array()[:num_rows]
+                .copy()
+            ),
+        )
+        for group in attn_groups
+    ]
+    return VerifyPlan(
+        width=width,
+        num_rows=num_rows,
+        num_rows_padded=num_rows_padded,
+        slots=torch.from_numpy(token_slots[:num_rows].copy()),
+        scheduled_drafts=torch.from_numpy(scheduled_drafts.astype(np.int64)),
+        prompt_lens=torch.from_numpy(
+            batch.num_prompt_tokens[:num_rows].astype(np.int64)
+        ),
+        tables=tables,
+        min_tokens=tuple(min_tokens or ()),
+    )
+
+
+@dataclass
+class VerifyInputs:
+    """A verify step's inputs, completed on the device."""
+
+    input_ids: torch.Tensor  # [num_tokens_padded] int32
+    positions: torch.Tensor  # [num_tokens_padded] int64
+    slot_mapping: dict[str, torch.Tensor]
+    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]"
+    num_drafts: torch.Tensor  # [num_rows] drafts each row verifies
+    starts: torch.Tensor  # [num_rows] where each row's new tokens go
+
+
+def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs:
+    """Device side: row i's queries sit at ``[i * width, (i + 1) * width)``:
+    the newest token at position ``length - 1``, then the drafts. Queries past
+    a row's drafts, and padded rows, write no KV and are never sampled."""
+    rows, width = plan.num_rows, plan.width
+    lengths = tokens.lengths[plan.slots]
+    num_drafts = torch.minimum(tokens.draft_counts[plan.slots], plan.scheduled_drafts)
+    if width == 1:
+        num_drafts = torch.zeros_like(num_drafts)
+    ids = torch.zeros((plan.num_rows_padded, width), dtype=torch.int32)
+    ids[:rows, 0] = tokens.read(plan.slots)
+    ids[:rows, 1:] = tokens.drafts[plan.slots, : width - 1]
+    positions = padded_positions(plan.num_rows_padded, width)
+    positions[:rows] += (lengths - 1)[:, None]
+    is_real = torch.zeros((plan.num_rows_padded, width), dtype=torch.bool)
+    is_real[:rows] = positions[:rows] - (lengths - 1)[:, None] <= num_drafts[:, None]
+    attn_inputs, slot_mapping = rectangular_attention(positions, is_real, plan.tables)
+    return VerifyInputs(
+        input_ids=ids.flatten(),
+        positions=positions.flatten(),
+        slot_mapping=slot_mapping,
+        attn_inputs=attn_inputs,
+        num_drafts=num_drafts,
+        starts=lengths,
+    )
+
+
+def padded_positions(num_rows: int, width: int) -> torch.Tensor:
+    """``[num_rows, width]`` positions ``0 .. width - 1`` per row: what a
+    padded row of a rectangular step keeps (one sequence of ``width``)."""
+    return torch.arange(width, dtype=torch.int64).repeat(num_rows, 1)
+
+
+def rectangular_attention(
+    positions: torch.Tensor,
+    is_real: torch.Tensor,
+    tables: "list[tuple[AttentionGroup, torch.Tensor]]",
+) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
+    """Device side: attention for ``[rows, width]`` queries, each row one
+    sequence whose queries sit at consecutive ``positions`` (a padded row's
+    at ``padded_positions``). Queries not ``is_real`` write no KV, nor do
+    positions whose block the table does not hold yet (the null block 0); a
+    real query sees its own row's positions up to its own. ``tables``: per
+    attention group, each row's blocks (``[>= real rows, columns]``; padded
+    rows get the null block)."""
+    num_rows, width = positions.shape
+    seq_lens = (positions[:, -1] + 1).to(torch.int32)
+    query_start_loc = torch.arange(0, num_rows * width + 1, width, dtype=torch.int32)
+    flat_positions = positions.flatten()
+    row_of = torch.arange(num_rows).repeat_interleave(width)
+    slot_mapping: dict[str, torch.Tensor] = {}
+    attn_inputs = []
+    for group, rows_table in tables:
+        block_size = group.kv_cache_spec.block_size
+        real_rows = min(rows_table.shape[0], num_rows)
+        columns = max(rows_table.shape[1], cdiv(int(seq_lens.max()), block_size))
+        table = torch.zeros((num_rows, columns), dtype=rows_table.dtype)
+        table[:real_rows, : rows_table.shape[1]] = rows_table[:real_rows]
+        block = table[row_of, flat_positions // block_size].to(torch.int64)
+        kv_slots = block * block_size + flat_positions % block_size
+        kv_slots[~is_real.flatten() | (block == 0)] = -1
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens,
+            num_reqs=num_rows,
+            num_actual_tokens=num_rows * width,
+            max_query_len=width,
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=table,
+            slot_mapping=kv_slots,
+            positions=flat_positions,
+        )
+        attn_inputs.append((group, common))
+        for layer_name in group.layer_names:
+            slot_mapping[layer_name] = kv_slots
+    return attn_inputs, slot_mapping
+
+
+def verify_on_device(
+    proposer: Proposer,
+    sampler: "Sampler",
+    tokens: "DeviceTokens",
+    forward: VerifyForward,
+    metadata: "SamplingMetadata",
+    plan: VerifyPlan,
+    grammar: VerifyGrammar | None = None,
+) -> Verified:
+    """Device side, after the verify forward: the grammar's masks (in place,
+    so the raw logprobs see them, as in vLLM), rejection sampling, the
+    accepted tokens into the histories and the table, the next drafts."""
+    with torch.inference_mode():
+        num_drafts = forward.num_drafts
+        if grammar is not None:
+            num_drafts = apply_verify_grammar(forward.logits, num_drafts, grammar)
+        logits, metadata = constrain_verify_logits(
+            forward.logits, plan, tokens, metadata
+        )
+        sampled = rejection_sample(
+            sampler,
+            logits,
+            plan.width,
+            num_drafts,
+            tokens.drafts[plan.slots],
+            metadata,
+        )
+        accepted = (sampled != REJECTED).sum(dim=1)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = verify_logprobs(
+                sampler, forward.logits, logits, sampled, metadata
+            )
+        tokens.accept(plan.slots, forward.starts, sampled, accepted)
+        proposer.propose(
+            tokens,
+            AcceptedTokens(
+                plan.slots,
+                forward.starts,
+                sampled,
+                accepted,
+                {group.kv_cache_group_id: table for group, table in plan.tables},
+            ),
+        )
+        drafts = Drafts(
+            tokens.drafts[plan.slots].clone(), tokens.draft_counts[plan.slots].clone()
+        )
+        return Verified(sampled, accepted, logprobs, drafts)
