@@ -79,10 +79,10 @@ class DeviceTokens:
         self.history_len = history_len
         # Speculative decoding only (device-owned, like the table): [slots, L]
         # token ids, [slots] tokens known, [slots, K] drafts, [slots] drafts.
-        self.history = torch.zeros((capacity + 1, history_len), dtype=torch.int32)
-        self.lengths = torch.zeros(capacity + 1, dtype=torch.int64)
-        self.drafts = torch.zeros((capacity + 1, num_drafts), dtype=torch.int32)
-        self.draft_counts = torch.zeros(capacity + 1, dtype=torch.int64)
+        self._history = torch.zeros((capacity + 1, history_len), dtype=torch.int32)
+        self._lengths = torch.zeros(capacity + 1, dtype=torch.int64)
+        self._drafts = torch.zeros((capacity + 1, num_drafts), dtype=torch.int32)
+        self._draft_counts = torch.zeros(capacity + 1, dtype=torch.int64)
 
     def grow(self, capacity: int) -> None:
         """Host side: room for ``capacity`` slots, after what is queued."""
@@ -101,11 +101,36 @@ class DeviceTokens:
     def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         self._table[slots] = tokens
 
+    # ---- speculative decoding: histories and drafts (device side too) -------
+
+    def lengths_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """[rows] int64: the tokens each slot's history holds."""
+        return self._lengths[slots]
+
+    def histories_of(self, slots: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        """[rows, end] int32, a copy: the slots' histories (garbage past their
+        lengths)."""
+        return self._history[slots, :end]
+
+    def drafts_of(self, slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """[rows, width] int32, a copy: the slots' drafts (0 past their counts)."""
+        return self._drafts[slots, :width]
+
+    def draft_counts_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._draft_counts[slots]
+
+    def set_drafts(
+        self, slots: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """A proposer's drafts [rows, K] for the slots, ``counts`` of them real."""
+        self._drafts[slots] = drafts.to(torch.int32)
+        self._draft_counts[slots] = counts
+
     def record(
         self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
     ) -> None:
         """Prompt tokens into the histories (speculative decoding)."""
-        self.history[slots, positions.clamp(max=self.history_len - 1)] = ids
+        self._history[slots, positions.clamp(max=self.history_len - 1)] = ids
 
     def accept(
         self,
@@ -120,10 +145,10 @@ class DeviceTokens:
         columns = starts[:, None] + torch.arange(width)
         keep = torch.arange(width)[None, :] < counts[:, None]
         rows = slots[:, None].expand(-1, width)
-        self.history[rows[keep], columns[keep].clamp(max=self.history_len - 1)] = (
+        self._history[rows[keep], columns[keep].clamp(max=self.history_len - 1)] = (
             tokens[keep]
         )
-        self.lengths[slots] = starts + counts
+        self._lengths[slots] = starts + counts
         newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
         self._table[slots] = newest
 
@@ -134,7 +159,7 @@ class DeviceTokens:
             return bigger
 
         self._table = grown(self._table)
-        self.history = grown(self.history)
-        self.lengths = grown(self.lengths)
-        self.drafts = grown(self.drafts)
-        self.draft_counts = grown(self.draft_counts)
+        self._history = grown(self._history)
+        self._lengths = grown(self._lengths)
+        self._drafts = grown(self._drafts)
+        self._draft_counts = grown(self._draft_counts)

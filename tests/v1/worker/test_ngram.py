@@ -73,7 +73,7 @@ def device_drafts(
         history[slot, : len(row)] = torch.tensor(row, dtype=torch.int32)
     lengths = torch.tensor([len(row) for row in rows], dtype=torch.int64)
     drafts, counts = propose_ngram_drafts(
-        history, lengths, slots, k, min_n, max_n, max_model_len
+        history[slots], lengths, k, min_n, max_n, max_model_len
     )
     assert drafts.shape == (len(rows), k) and drafts.dtype == torch.int32
     assert counts.shape == (len(rows),) and counts.dtype == torch.int64
@@ -145,5 +145,5 @@ def test_model_length_caps_and_skips() -> None:
 def test_no_rows() -> None:
     history = torch.zeros(4, 16, dtype=torch.int32)
     empty = torch.zeros(0, dtype=torch.int64)
-    drafts, counts = propose_ngram_drafts(history, empty, empty, 3, 1, 3, 16)
+    drafts, counts = propose_ngram_drafts(history[empty], empty, 3, 1, 3, 16)
     assert drafts.shape == (0, 3) and counts.shape == (0,)

@@ -122,9 +122,14 @@ def test_penalties_count_each_querys_drafts() -> None:
     drafts = {1: [3, 6], 2: [0, 5]}
     for slot, (prompt, output) in histories.items():
         known = prompt + output
-        tokens.history[slot, : len(known)] = torch.tensor(known)
-        tokens.lengths[slot] = len(known)
-        tokens.drafts[slot] = torch.tensor(drafts[slot])
+        slots = torch.tensor([slot])
+        tokens.accept(
+            slots,
+            torch.tensor([0]),
+            torch.tensor([known], dtype=torch.int32),
+            torch.tensor([len(known)]),
+        )
+        tokens.set_drafts(slots, torch.tensor([drafts[slot]]), torch.tensor([2]))
     plan = VerifyPlan(
         width=width,
         num_rows=2,

@@ -45,7 +45,7 @@ def constrain_verify_logits(
         return logits, metadata
     logits = logits.clone()
     rows, vocab = plan.num_rows, logits.shape[1]
-    lengths = tokens.lengths[plan.slots]
+    lengths = tokens.lengths_of(plan.slots)
     if mask is not None:
         logits.masked_fill_(mask[:rows].repeat_interleave(width, 0), float("-inf"))
     # min_tokens: query j follows the row's outputs and j drafts.
@@ -58,10 +58,10 @@ def constrain_verify_logits(
         queries: dict[int, list[list[int]]] = {}
         pasts: list[list[int]] = [[] for _ in range(rows * width)]
         for row, words in bad_words.items():
-            slot = int(plan.slots[row])
+            slot = plan.slots[row : row + 1]
             start, end = int(plan.prompt_lens[row]), int(lengths[row])
-            outputs = tokens.history[slot, start:end].tolist()
-            drafts = tokens.drafts[slot, : width - 1].tolist()
+            outputs = tokens.histories_of(slot, end)[0, start:].tolist()
+            drafts = tokens.drafts_of(slot, width - 1)[0].tolist()
             for j in range(width):
                 queries[row * width + j] = words
                 pasts[row * width + j] = outputs + drafts[:j]
@@ -69,11 +69,11 @@ def constrain_verify_logits(
     if not metadata.no_penalties:
         assert metadata.prompt_token_ids is not None
         span = int(lengths.max()) + width - 1
-        history = tokens.history[plan.slots, :span].long()
+        history = tokens.histories_of(plan.slots, span).long()
         if width > 1:
             columns = lengths[:, None] + torch.arange(width - 1)
             history = history.scatter(
-                1, columns, tokens.drafts[plan.slots, : width - 1].long()
+                1, columns, tokens.drafts_of(plan.slots, width - 1).long()
             )
         position = torch.arange(span)[None, None, :]
         ends = lengths[:, None] + torch.arange(width)[None, :]  # [rows, width]

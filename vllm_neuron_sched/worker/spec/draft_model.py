@@ -154,8 +154,11 @@ class DraftModel:
         limit = (self.speculation.max_model_len - known).clamp(
             min=0, max=self.num_tokens
         )
-        tokens.drafts[accepted.slots] = torch.stack(drafts, dim=1).to(torch.int32)
-        tokens.draft_counts[accepted.slots] = torch.where(real_rows, limit, 0)
+        tokens.set_drafts(
+            accepted.slots,
+            torch.stack(drafts, dim=1),
+            torch.where(real_rows, limit, 0),
+        )
 
     def _greedy(
         self,

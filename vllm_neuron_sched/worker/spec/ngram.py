@@ -19,9 +19,8 @@ import torch
 
 
 def propose_ngram_drafts(
-    history: torch.Tensor,  # [num_slots, max_len] int32, garbage past lengths
-    lengths: torch.Tensor,  # [num_rows] int64: tokens known for each selected row
-    slots: torch.Tensor,  # [num_rows] int64: which history rows
+    tokens: torch.Tensor,  # [num_rows, max_len] int32, garbage past lengths
+    lengths: torch.Tensor,  # [num_rows] int64: tokens known in each row
     k: int,
     min_n: int,
     max_n: int,
@@ -32,14 +31,13 @@ def propose_ngram_drafts(
     ``NgramProposer.propose``."""
     if not 1 <= min_n <= max_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got {min_n=}, {max_n=}")
-    device = history.device
-    num_rows, max_len = slots.shape[0], history.shape[1]
+    device = tokens.device
+    num_rows, max_len = tokens.shape
     drafts = torch.zeros(num_rows, k, dtype=torch.int32, device=device)
     counts = torch.zeros(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0 or max_len < 2 or k <= 0:
         return drafts, counts
 
-    tokens = history.index_select(0, slots)  # [rows, max_len]
     lengths = lengths.to(torch.int64)
     ends = torch.arange(max_len, device=device)
     # After step n, is_match[r, e]: tokens[e-n+1 : e+1] == tokens[T-n : T], e <= T-2.

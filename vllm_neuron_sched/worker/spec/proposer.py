@@ -37,8 +37,8 @@ class AcceptedTokens:
 
 
 class Proposer(Protocol):
-    """Device side: the next drafts of the rows in ``accepted``, into
-    ``tokens.drafts`` and ``tokens.draft_counts``."""
+    """Device side: the next drafts of the rows in ``accepted``, into the
+    token table (``DeviceTokens.set_drafts``)."""
 
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None: ...
 
@@ -50,16 +50,14 @@ class NgramProposer:
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
         spec, slots = self.speculation, accepted.slots
         drafts, counts = propose_ngram_drafts(
-            tokens.history,
-            tokens.lengths[slots],
-            slots,
+            tokens.histories_of(slots),
+            tokens.lengths_of(slots),
             spec.num_tokens,
             spec.min_n,
             spec.max_n,
             spec.max_model_len,
         )
-        tokens.drafts[slots] = drafts
-        tokens.draft_counts[slots] = counts
+        tokens.set_drafts(slots, drafts, counts)
 
 
 def after_prompt_sampling(
@@ -80,4 +78,4 @@ def after_prompt_sampling(
     proposer.propose(
         tokens, AcceptedTokens(slots, positions, sampled[:, None], counts, tables)
     )
-    return Drafts(tokens.drafts[slots].clone(), tokens.draft_counts[slots].clone())
+    return Drafts(tokens.drafts_of(slots), tokens.draft_counts_of(slots))

@@ -112,13 +112,15 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
     the newest token at position ``length - 1``, then the drafts. Queries past
     a row's drafts, and padded rows, write no KV and are never sampled."""
     rows, width = plan.num_rows, plan.width
-    lengths = tokens.lengths[plan.slots]
-    num_drafts = torch.minimum(tokens.draft_counts[plan.slots], plan.scheduled_drafts)
+    lengths = tokens.lengths_of(plan.slots)
+    num_drafts = torch.minimum(
+        tokens.draft_counts_of(plan.slots), plan.scheduled_drafts
+    )
     if width == 1:
         num_drafts = torch.zeros_like(num_drafts)
     ids = torch.zeros((plan.num_rows_padded, width), dtype=torch.int32)
     ids[:rows, 0] = tokens.read(plan.slots)
-    ids[:rows, 1:] = tokens.drafts[plan.slots, : width - 1]
+    ids[:rows, 1:] = tokens.drafts_of(plan.slots, width - 1)
     positions = padded_positions(plan.num_rows_padded, width)
     positions[:rows] += (lengths - 1)[:, None]
     is_real = torch.zeros((plan.num_rows_padded, width), dtype=torch.bool)
@@ -210,7 +212,7 @@ def verify_on_device(
             logits,
             plan.width,
             num_drafts,
-            tokens.drafts[plan.slots],
+            tokens.drafts_of(plan.slots),
             metadata,
         )
         accepted = (sampled != REJECTED).sum(dim=1)
@@ -231,6 +233,6 @@ def verify_on_device(
             ),
         )
         drafts = Drafts(
-            tokens.drafts[plan.slots].clone(), tokens.draft_counts[plan.slots].clone()
+            tokens.drafts_of(plan.slots), tokens.draft_counts_of(plan.slots)
         )
         return Verified(sampled, accepted, logprobs, drafts)
