@@ -4,8 +4,9 @@ One step, on the worker's main thread::
 
     execute_model:  flow.begin_step (retire the steps the engine has read,
                     then host state from the scheduler's decisions) ->
-                    zero new KV blocks -> inputs -> enqueue the forward
-    sample_tokens:  enqueue sampling -> placeholders in host state ->
+                    zero new KV blocks -> inputs -> the step's kind ->
+                    step.enqueue_forward
+    sample_tokens:  step.enqueue_sampling -> placeholders in host state ->
                     flow.end_step (in flight, counted; the output now in
                     sync mode, a future in async mode)
 
@@ -17,10 +18,11 @@ goes unread.
 The parts, each with one owner's state: ``host_state`` (requests, the input
 batch, token slots, placeholders), ``async_flow`` (the steps in flight and
 their counters), ``token_table`` (the device token table and the decode-id
-gather), ``inputs`` (one step's padded tensors), ``sampling`` (the device's
-sampler and the output back), ``speculation`` (verify steps, when the engine
-speculates; ``draft_model`` when a draft model proposes), ``kv_cache``. The
-forward and the sampler run on the device (``runtime``), in enqueue order.
+gather), ``inputs`` (one step's padded tensors), ``steps`` (the step kinds:
+their device programs; ``spec/`` for the verify step and the proposers when
+the engine speculates), ``results`` (the typed device results and the output
+back), ``kv_cache``. The forward and the sampler run on the device
+(``runtime``), in enqueue order.
 
 Ownership: an execution enqueued on the device owns every buffer it reads
 until its future resolves. The host builds each step into fresh tensors and
@@ -36,7 +38,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.config import CompilationMode
 from vllm.forward_context import set_forward_context
@@ -58,26 +59,21 @@ from vllm_neuron_sched.core.prefill_shapes import engine_prefill_shapes
 from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
-from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
-    PromptLogprobsJob,
     StepUpdate,
 )
 from vllm_neuron_sched.worker.inputs import StepInputs, build_step_inputs
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
-from vllm_neuron_sched.worker.results import DraftedOutput, VerifyForward
-from vllm_neuron_sched.worker.sampling import (
-    enqueue_sampling,
-    prompt_logprobs_on_device,
-)
+from vllm_neuron_sched.worker.results import DraftedOutput
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
 from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
-from vllm_neuron_sched.worker.spec.verify import VerifyPlan, complete_on_device
+from vllm_neuron_sched.worker.spec.verify import VerifyStep
+from vllm_neuron_sched.worker.steps import Step, StepContext, TokensStep
 from vllm_neuron_sched.worker.timeline import StepTimeline
-from vllm_neuron_sched.worker.token_table import DeviceTokens, TableGather
+from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,7 +81,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-    from vllm_neuron_sched.runtime import Device, DeviceFuture
+    from vllm_neuron_sched.runtime import Device
 
 logger = init_logger(__name__)
 
@@ -93,15 +89,12 @@ logger = init_logger(__name__)
 _SHUTDOWN_TIMEOUT_S = 30.0
 
 
-@dataclass
-class ForwardState:
+@dataclass(frozen=True)
+class _PendingStep:
     """What execute_model leaves for sample_tokens."""
 
+    step: Step
     scheduler_output: "SchedulerOutput"
-    inputs: StepInputs
-    # [num_reqs, vocab] logits of the sampling rows, None when none samples;
-    # for a verify step, its VerifyForward.
-    logits: "DeviceFuture"
     prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
 
 
@@ -156,7 +149,6 @@ class NeuronSchedModelRunner:
         self.fails_requests_alone = tp_group.world_size == 1 and (
             finishes_failed_requests(getattr(scheduler_config, "scheduler_cls", None))
         )
-        self.model: Any = None
         self.kv_cache = KVCache(
             vllm_config, torch_device or torch.device("cpu"), device
         )
@@ -189,9 +181,27 @@ class NeuronSchedModelRunner:
         self.timeline = StepTimeline.from_env()
         if self.timeline is not None:
             self.flow.subscribe(self.timeline)
-        self._forward: ForwardState | None = None
+        self.ctx = StepContext(
+            device,
+            vllm_config,
+            self.sampler,
+            self.token_table,
+            self.fails_requests_alone,
+            self.proposer,
+            self.draft,
+        )
+        # What execute_model leaves for sample_tokens.
+        self._pending: _PendingStep | None = None
 
     # ---- engine-facing API -------------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        return self.ctx.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.ctx.model = model
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
@@ -330,7 +340,13 @@ class NeuronSchedModelRunner:
                 self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
             inputs = self._build_inputs(scheduler_output, update)
-            self._forward = self._enqueue_forward(scheduler_output, inputs, update)
+            step = (
+                TokensStep(inputs, proposes=self.proposer is not None)
+                if inputs.verify is None
+                else VerifyStep(inputs)
+            )
+            step.enqueue_forward(self.ctx, update.prompt_logprobs_jobs)
+            self._pending = _PendingStep(step, scheduler_output, update.prompt_logprobs)
             return None
 
     @torch.inference_mode()
@@ -339,33 +355,25 @@ class NeuronSchedModelRunner:
     ) -> ModelRunnerOutput | AsyncStepOutput:
         """Enqueues on-device sampling. Async: the output is a future the
         engine reads later; the sampled tokens feed later steps on device."""
-        forward, self._forward = self._forward, None
-        if forward is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.flow.host_section("sample_tokens"):
-            inputs = forward.inputs
-            result, output = enqueue_sampling(
-                self.device,
-                self.sampler,
-                self.token_table,
-                forward.logits,
-                inputs,
+            step = pending.step
+            result, output = step.enqueue_sampling(
+                self.ctx,
                 self.host.batch.sampling_metadata,
                 None
                 if grammar_output is None
-                else (forward.scheduler_output, grammar_output),
-                forward.prompt_logprobs,
-                self.fails_requests_alone,
-                self.proposer,
+                else (pending.scheduler_output, grammar_output),
+                pending.prompt_logprobs,
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).
-            placeholders = self.host.add_placeholders(
-                inputs.req_ids, inputs.num_new_tokens
-            )
-            step = InFlightStep(self.flow.step, result, output, placeholders)
-            step_output = self.flow.end_step(step, inputs.shape, inputs.num_table_rows)
-            if self.speculation is not None:
+            placeholders = self.host.add_placeholders(step.req_ids, step.num_new_tokens)
+            in_flight = InFlightStep(self.flow.step, result, output, placeholders)
+            step_output = self.flow.end_step(in_flight, step.shape, step.num_table_rows)
+            if step.drafts:
                 self._drafted = output
             return step_output
 
@@ -394,101 +402,6 @@ class NeuronSchedModelRunner:
             self.flow.retire()
             inputs = build()
         return inputs
-
-    def _enqueue_forward(
-        self,
-        scheduler_output: "SchedulerOutput",
-        inputs: StepInputs,
-        update: StepUpdate,
-    ) -> ForwardState:
-        jobs = update.prompt_logprobs_jobs
-        if inputs.verify is not None:
-            result = self.device.enqueue(self._verify_on_device, inputs.verify)
-            return ForwardState(
-                scheduler_output, inputs, result, update.prompt_logprobs
-            )
-        logits = self.device.enqueue(
-            self._forward_on_device,
-            inputs.input_ids,
-            inputs.gather,
-            inputs.positions,
-            inputs.attn_inputs,
-            inputs.slot_mapping,
-            inputs.num_tokens_padded,
-            inputs.logits_indices if inputs.has_samples else None,
-            jobs,
-            inputs.row_offsets if jobs else None,
-            inputs.history_writes,
-        )
-        return ForwardState(scheduler_output, inputs, logits, update.prompt_logprobs)
-
-    def _forward_on_device(
-        self,
-        input_ids: torch.Tensor,
-        gather: TableGather | None,
-        positions: torch.Tensor,
-        attn_inputs: list[tuple[Any, Any]],
-        slot_mapping: dict[str, torch.Tensor],
-        num_tokens_padded: int,
-        logits_indices: torch.Tensor | None,
-        prompt_logprobs_jobs: list[PromptLogprobsJob],
-        row_offsets: np.ndarray | None,
-        history_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor | None:
-        """Runs on the device: decode rows' ids from the token table, then the
-        model at its padded shape."""
-        with torch.inference_mode():
-            self.token_table.gather(input_ids, gather)
-            if history_writes is not None:
-                self.token_table.record(*history_writes)
-            hidden_states = run_model(
-                self.model,
-                self.vllm_config,
-                input_ids,
-                positions,
-                attn_inputs,
-                slot_mapping,
-                num_tokens_padded,
-            )
-            if self.draft is not None:
-                self.draft.prefill(input_ids, positions, attn_inputs, num_tokens_padded)
-            for row, *job in prompt_logprobs_jobs:
-                assert row_offsets is not None
-                prompt_logprobs_on_device(
-                    self.model,
-                    self.sampler,
-                    self.model_config.logprobs_mode,
-                    hidden_states,
-                    int(row_offsets[row]),
-                    *job,
-                )
-            if logits_indices is None:
-                return None
-            return self.model.compute_logits(hidden_states[logits_indices])
-
-    def _verify_on_device(self, plan: VerifyPlan) -> VerifyForward:
-        """Runs on the device: a verify step's inputs from the token slots,
-        then the model at ``[decode bucket, 1 + K]``, logits of every real
-        row's queries."""
-        with torch.inference_mode():
-            inputs = complete_on_device(plan, self.token_table)
-            hidden_states = run_model(
-                self.model,
-                self.vllm_config,
-                inputs.input_ids,
-                # Queries past a row's drafts may reach past the model's
-                # positions; they write no KV and nothing reads their output.
-                inputs.positions.clamp(max=self.max_model_len - 1),
-                inputs.attn_inputs,
-                inputs.slot_mapping,
-                plan.num_tokens_padded,
-            )
-            num_real = plan.num_rows * plan.width
-            return VerifyForward(
-                self.model.compute_logits(hidden_states[:num_real]),
-                inputs.num_drafts,
-                inputs.starts,
-            )
 
     def _dummy_forward(self, num_tokens: int) -> None:
         models = [self.model] + ([] if self.draft is None else [self.draft.model])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from vllm.logger import init_logger
-from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
@@ -23,11 +23,8 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
-from vllm_neuron_sched.runtime import DeviceFuture, Materializer
-from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
-from vllm_neuron_sched.worker.spec.grammar import plan_grammar
+from vllm_neuron_sched.worker.results import Sampled
 from vllm_neuron_sched.worker.spec.proposer import Proposer, after_prompt_sampling
-from vllm_neuron_sched.worker.spec.verify import verify_on_device
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 logger = init_logger(__name__)
@@ -37,8 +34,6 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_neuron_sched.runtime import Device
-    from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
@@ -189,69 +184,7 @@ def prompt_logprobs_on_device(
     buffer.selected_token_ranks[chunk].copy_(ranks)
 
 
-def enqueue_sampling(
-    device: "Device",
-    sampler: "Sampler",
-    tokens: "DeviceTokens",
-    logits: DeviceFuture,
-    inputs: "StepInputs",
-    metadata: "SamplingMetadata",
-    grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
-    prompt_logprobs: dict[str, LogprobsTensors],
-    fails_requests_alone: bool,
-    proposer: Proposer | None = None,
-) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
-    """The step's last execution and its output: sampling, or for a step that
-    samples nothing its forward (whose failure must reach the requests too).
-    ``metadata``: the input batch's, read now or (threaded device) snapshot.
-    A verify step (``inputs.verify``) runs the rejection sampler instead."""
-    result = logits
-    if inputs.verify is not None:
-        assert proposer is not None
-        if not device.runs_at_enqueue:
-            metadata = snapshot_sampling_metadata(metadata)
-        result = device.enqueue(
-            verify_on_device,
-            proposer,
-            sampler,
-            tokens,
-            logits,
-            metadata,
-            inputs.verify,
-            None
-            if grammar is None
-            else plan_grammar(
-                grammar[1],
-                list(inputs.req_ids),
-                grammar[0].scheduled_spec_decode_tokens,
-                inputs.verify.width,
-            ),
-        )
-    elif inputs.has_samples:
-        repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
-        if not device.runs_at_enqueue:
-            metadata = snapshot_sampling_metadata(metadata)
-        result = device.enqueue(
-            sample_on_device,
-            sampler,
-            tokens,
-            logits,
-            metadata,
-            inputs.sample_slots,
-            np.flatnonzero(~inputs.is_sampled).tolist(),
-            repairs,
-            None if grammar is None else _own_masks(*grammar, inputs.req_ids),
-            None
-            if proposer is None
-            else (proposer, inputs.next_positions, inputs.block_tables()),
-        )
-    output = make_output_materializer(
-        result, inputs.req_ids, inputs.is_sampled, prompt_logprobs, fails_requests_alone
-    )
-    return result, output
-
-
-def _own_masks(
+def own_masks(
     scheduler_output: "SchedulerOutput",
     grammar_output: "GrammarOutput",
     req_ids: Sequence[str],

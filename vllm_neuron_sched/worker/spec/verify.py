@@ -1,6 +1,7 @@
-"""The verify step: its plan on the host (``plan_verify``), its inputs
-completed on the device from the token table (``complete_on_device``), and
-its verification after the forward (``verify_on_device``)."""
+"""The verify step (``VerifyStep``, a step kind: ``worker/steps.py``): its
+plan on the host (``plan_verify``), its inputs completed on the device from
+the token table (``complete_on_device``), the forward, and its verification
+after the forward (``verify_on_device``)."""
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -10,9 +11,22 @@ import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_neuron_sched.worker.results import Drafts, Verified, VerifyForward
+from vllm_neuron_sched.core.step_view import BatchShape
+from vllm_neuron_sched.runtime import DeviceFuture, Materializer
+from vllm_neuron_sched.worker.device_forward import run_model
+from vllm_neuron_sched.worker.results import (
+    Drafts,
+    Verified,
+    VerifyForward,
+    make_output_materializer,
+)
+from vllm_neuron_sched.worker.sampling import snapshot_sampling_metadata
 from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
-from vllm_neuron_sched.worker.spec.grammar import VerifyGrammar, apply_verify_grammar
+from vllm_neuron_sched.worker.spec.grammar import (
+    VerifyGrammar,
+    apply_verify_grammar,
+    plan_grammar,
+)
 from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens, Proposer
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
@@ -21,11 +35,16 @@ from vllm_neuron_sched.worker.spec.rejection import (
 )
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
+    from vllm_neuron_sched.worker.host_state import PromptLogprobsJob
+    from vllm_neuron_sched.worker.inputs import StepInputs
+    from vllm_neuron_sched.worker.steps import StepContext
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
     # Per attention group, the plain metadata its builder turns into its own.
@@ -236,3 +255,93 @@ def verify_on_device(
             tokens.drafts_of(plan.slots), tokens.draft_counts_of(plan.slots)
         )
         return Verified(sampled, accepted, logprobs, drafts)
+
+
+class VerifyStep:
+    """A decode step under speculative decoding: each row runs its newest
+    token and its drafts, ``[decode bucket, 1 + K]``; the host's part is the
+    plan, the device completes the inputs from the token table, runs the
+    model, then verifies (rejection sampling) and proposes the next drafts."""
+
+    drafts = True
+    shape = BatchShape.DECODE
+
+    def __init__(self, inputs: "StepInputs") -> None:
+        assert inputs.verify is not None
+        self.plan = inputs.verify
+        self.req_ids = inputs.req_ids
+        self.num_new_tokens = inputs.num_new_tokens
+        self._forward: DeviceFuture | None = None
+
+    @property
+    def num_table_rows(self) -> int:
+        return self.plan.num_rows
+
+    def enqueue_forward(
+        self, ctx: "StepContext", prompt_logprobs_jobs: "list[PromptLogprobsJob]"
+    ) -> None:
+        assert not prompt_logprobs_jobs, "a verify step runs no prompt chunk"
+        self._forward = ctx.device.enqueue(_verify_forward_on_device, ctx, self.plan)
+
+    def enqueue_sampling(
+        self,
+        ctx: "StepContext",
+        metadata: "SamplingMetadata",
+        grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
+        prompt_logprobs: "dict[str, LogprobsTensors]",
+    ) -> "tuple[DeviceFuture, Materializer[ModelRunnerOutput]]":
+        assert self._forward is not None and ctx.proposer is not None
+        if not ctx.device.runs_at_enqueue:
+            metadata = snapshot_sampling_metadata(metadata)
+        verify_grammar = None
+        if grammar is not None:
+            scheduler_output, grammar_output = grammar
+            verify_grammar = plan_grammar(
+                grammar_output,
+                list(self.req_ids),
+                scheduler_output.scheduled_spec_decode_tokens,
+                self.plan.width,
+            )
+        result = ctx.device.enqueue(
+            verify_on_device,
+            ctx.proposer,
+            ctx.sampler,
+            ctx.token_table,
+            self._forward,
+            metadata,
+            self.plan,
+            verify_grammar,
+        )
+        output = make_output_materializer(
+            result,
+            self.req_ids,
+            [True] * len(self.req_ids),
+            prompt_logprobs,
+            ctx.fails_requests_alone,
+        )
+        return result, output
+
+
+def _verify_forward_on_device(ctx: "StepContext", plan: VerifyPlan) -> VerifyForward:
+    """Runs on the device: a verify step's inputs from the token slots, then
+    the model at ``[decode bucket, 1 + K]``, logits of every real row's
+    queries."""
+    with torch.inference_mode():
+        inputs = complete_on_device(plan, ctx.token_table)
+        hidden_states = run_model(
+            ctx.model,
+            ctx.vllm_config,
+            inputs.input_ids,
+            # Queries past a row's drafts may reach past the model's
+            # positions; they write no KV and nothing reads their output.
+            inputs.positions.clamp(max=ctx.max_model_len - 1),
+            inputs.attn_inputs,
+            inputs.slot_mapping,
+            plan.num_tokens_padded,
+        )
+        num_real = plan.num_rows * plan.width
+        return VerifyForward(
+            ctx.model.compute_logits(hidden_states[:num_real]),
+            inputs.num_drafts,
+            inputs.starts,
+        )
