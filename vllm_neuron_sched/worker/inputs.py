@@ -116,6 +116,55 @@ class StepInputs:
         }
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """The step's rows as the scheduler decided them, and what each does."""
+
+    req_ids: list[str]
+    num_scheduled: np.ndarray  # [num_reqs] tokens scheduled
+    num_computed: np.ndarray  # [num_reqs] tokens computed before the step
+    num_known: np.ndarray  # [num_reqs] tokens known (prompt and outputs)
+    num_drafts: np.ndarray  # [num_reqs] drafts scheduled (speculating), else []
+    # [num_reqs] True: the row runs its newest token (and drafts), its input
+    # id from the token table; False: prompt tokens the host holds.
+    is_decode_row: np.ndarray
+    shape: BatchShape
+
+    @classmethod
+    def of(
+        cls,
+        batch: "InputBatch",
+        num_scheduled_tokens: dict[str, int],
+        update: "StepUpdate",
+        scheduled_drafts: dict[str, list[int]] | None,
+    ) -> "_Rows":
+        num_reqs = batch.num_reqs
+        req_ids = list(batch.req_ids)
+        num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int64)
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
+        num_drafts = np.zeros(0, np.int64)
+        num_queries: int | np.ndarray = 1
+        if scheduled_drafts is not None:
+            num_drafts = np.array(
+                [len(scheduled_drafts.get(r, ())) for r in req_ids], np.int64
+            )
+            num_queries = 1 + num_drafts
+            num_known = update.scheduled_num_tokens
+        is_decode_row = (num_scheduled == num_queries) & (num_computed + 1 == num_known)
+        is_decode_row &= num_computed >= update.prompt_lens
+        shape = BatchShape.of((~is_decode_row).tolist())
+        return cls(
+            req_ids,
+            num_scheduled,
+            num_computed,
+            num_known,
+            num_drafts,
+            is_decode_row,
+            shape,
+        )
+
+
 def build_step_inputs(
     batch: "InputBatch",
     num_scheduled_tokens: dict[str, int],
@@ -129,93 +178,65 @@ def build_step_inputs(
     ``update`` tells). ``scheduled_drafts``: the scheduler's drafts per
     request, given when the engine speculates (``num_spec_tokens`` per verify
     row)."""
-    num_reqs = batch.num_reqs
-    req_ids = list(batch.req_ids)
-    token_slots = update.token_slots
-    num_scheduled = np.array([num_scheduled_tokens[r] for r in req_ids], np.int64)
-    num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-    num_known = batch.num_tokens_no_spec[:num_reqs].astype(np.int64)
-
+    rows = _Rows.of(batch, num_scheduled_tokens, update, scheduled_drafts)
     speculates = scheduled_drafts is not None
-    num_drafts = np.array(
-        [len(scheduled_drafts.get(r, ())) for r in req_ids] if speculates else (),
-        np.int64,
-    ).reshape(-1)
-    num_queries = 1
-    if speculates:
-        num_queries = 1 + num_drafts
-        num_known = update.scheduled_num_tokens
-    is_decode_row = (num_scheduled == num_queries) & (num_computed + 1 == num_known)
-    is_decode_row &= num_computed >= update.prompt_lens
-    shape = BatchShape.of((~is_decode_row).tolist())
-    if speculates and shape is BatchShape.DECODE:
+    if speculates and rows.shape is BatchShape.DECODE:
         plan = plan_verify(
             batch,
-            num_drafts,
-            token_slots,
-            buckets.pad_decode(num_reqs),
+            rows.num_drafts,
+            update.token_slots,
+            buckets.pad_decode(len(rows.req_ids)),
             num_spec_tokens,
             attn_groups,
             update.min_tokens,
         )
-        return _verify_inputs(req_ids, num_scheduled, num_computed, token_slots, plan)
-    # vLLM pads a prompt whose prefix-cache hit leaves it one token to
-    # ``1 + K`` tokens with K placeholder drafts (uniform verify shapes for
-    # its CUDA graphs). Such a row runs its one prompt token and samples from
-    # it; the scheduler counts the placeholders as rejected drafts.
-    num_padding = np.where(is_decode_row, 0, num_drafts) if speculates else 0
-    num_scheduled = num_scheduled - num_padding
-    if speculates and shape is BatchShape.MIXED:
+        return _verify_inputs(rows, update.token_slots, plan)
+    if speculates and rows.shape is BatchShape.MIXED:
         raise RuntimeError(
             "speculative decoding needs steps that never mix prefill and decode "
             "(the vllm_neuron_sched schedulers)"
         )
-    layout = _Layout.of(shape, num_scheduled, num_computed, buckets)
+    return _token_inputs(batch, rows, buckets, attn_groups, update, speculates)
 
-    num_tokens = int(num_scheduled.sum())
-    cu_num_tokens = np.cumsum(num_scheduled)
-    row_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
-    offset_in_row = (
-        np.arange(num_tokens) - (cu_num_tokens - num_scheduled)[row_of_token]
-    )
-    positions_np = num_computed[row_of_token] + offset_in_row
-    # Where each real token sits in the padded step.
-    token_index = torch.from_numpy(layout.row_offsets[row_of_token] + offset_in_row)
 
-    token_ids = batch.token_ids_cpu[row_of_token, positions_np]
+def _token_inputs(
+    batch: "InputBatch",
+    rows: _Rows,
+    buckets: "Buckets",
+    attn_groups: "list[AttentionGroup]",
+    update: "StepUpdate",
+    speculates: bool,
+) -> StepInputs:
+    """A step whose input tokens the host lays out: prompt chunks and decode
+    rows at their padded shape."""
+    token_slots = update.token_slots
+    num_computed, num_known = rows.num_computed, rows.num_known
+    # vLLM pads a prompt whose prefix-cache hit leaves it one token to
+    # ``1 + K`` tokens with K placeholder drafts (uniform verify shapes for
+    # its CUDA graphs). Such a row runs its one prompt token and samples from
+    # it; the scheduler counts the placeholders as rejected drafts.
+    num_padding = np.where(rows.is_decode_row, 0, rows.num_drafts) if speculates else 0
+    num_scheduled = rows.num_scheduled - num_padding
+    layout = _Layout.of(rows.shape, num_scheduled, num_computed, buckets)
+    tokens = _Tokens.of(layout, num_computed)
+
+    token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
     # A decode row's one token is its newest: read it from the device table.
-    decode_rows = np.flatnonzero(is_decode_row)
+    decode_rows = np.flatnonzero(rows.is_decode_row)
     last_token_index = layout.row_offsets + num_scheduled - 1
     gather = plan_gather(decode_rows, last_token_index, token_slots)
-    token_ids[cu_num_tokens[decode_rows] - 1] = 0
+    token_ids[np.cumsum(num_scheduled)[decode_rows] - 1] = 0
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
-    input_ids[token_index] = torch.from_numpy(token_ids)
-    is_sampled = num_computed + num_scheduled >= num_known
+    input_ids[tokens.index] = torch.from_numpy(token_ids)
     positions = torch.zeros(layout.num_tokens_padded, dtype=torch.int64)
-    positions[token_index] = torch.from_numpy(positions_np)
-
-    attn_inputs: list[tuple[AttentionGroup, CommonAttentionMetadata]] = []
-    slot_mapping: dict[str, torch.Tensor] = {}
-    for group in attn_groups:
-        block_table = batch.block_table[group.kv_cache_group_id]
-        block_size = block_table.block_size
-        table_np = block_table.get_numpy_array()
-        kv_slots = torch.full(
-            (layout.num_tokens_padded,), NO_KV_SLOT, dtype=torch.int64
-        )
-        block_numbers = table_np[row_of_token, positions_np // block_size]
-        kv_slots[token_index] = torch.from_numpy(
-            block_numbers.astype(np.int64) * block_size + positions_np % block_size
-        )
-        attn_inputs.append(
-            (group, layout.attention(table_np, block_size, kv_slots, positions))
-        )
-        for layer_name in group.layer_names:
-            slot_mapping[layer_name] = kv_slots
-
+    positions[tokens.index] = torch.from_numpy(tokens.positions)
+    is_sampled = num_computed + num_scheduled >= num_known
+    attn_inputs, slot_mapping = _attention_inputs(
+        batch, attn_groups, layout, tokens, positions
+    )
     return StepInputs(
-        req_ids=req_ids,
-        shape=shape,
+        req_ids=rows.req_ids,
+        shape=rows.shape,
         num_tokens_padded=layout.num_tokens_padded,
         row_offsets=layout.row_offsets,
         input_ids=input_ids,
@@ -233,7 +254,9 @@ def build_step_inputs(
         # As the scheduler counts them: a padded row's placeholders too.
         num_new_tokens=is_sampled.astype(np.int64) + num_padding,
         history_writes=(
-            _history_writes(batch, update, token_slots, row_of_token, positions_np)
+            _history_writes(
+                batch, update, token_slots, tokens.row_of_token, tokens.positions
+            )
             if speculates
             else None
         ),
@@ -241,6 +264,58 @@ def build_step_inputs(
             torch.from_numpy(num_computed + num_scheduled) if speculates else None
         ),
     )
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """The step's real tokens, in row order."""
+
+    row_of_token: np.ndarray  # [num_tokens] the row each token belongs to
+    positions: np.ndarray  # [num_tokens] int64 position in its sequence
+    index: torch.Tensor  # [num_tokens] where each sits in the padded step
+
+    @classmethod
+    def of(cls, layout: "_Layout", num_computed: np.ndarray) -> "_Tokens":
+        num_scheduled = layout.num_scheduled
+        num_tokens = int(num_scheduled.sum())
+        starts = np.cumsum(num_scheduled) - num_scheduled
+        row_of_token = np.repeat(np.arange(len(num_scheduled)), num_scheduled)
+        offset_in_row = np.arange(num_tokens) - starts[row_of_token]
+        return cls(
+            row_of_token,
+            num_computed[row_of_token] + offset_in_row,
+            torch.from_numpy(layout.row_offsets[row_of_token] + offset_in_row),
+        )
+
+
+def _attention_inputs(
+    batch: "InputBatch",
+    attn_groups: "list[AttentionGroup]",
+    layout: "_Layout",
+    tokens: _Tokens,
+    positions: torch.Tensor,
+) -> "tuple[list[tuple[AttentionGroup, CommonAttentionMetadata]], dict]":
+    """Per KV cache group, the plain attention metadata and each layer's KV
+    slots (padded tokens: ``NO_KV_SLOT``)."""
+    attn_inputs: list[tuple[AttentionGroup, CommonAttentionMetadata]] = []
+    slot_mapping: dict[str, torch.Tensor] = {}
+    for group in attn_groups:
+        block_table = batch.block_table[group.kv_cache_group_id]
+        block_size = block_table.block_size
+        table_np = block_table.get_numpy_array()
+        kv_slots = torch.full(
+            (layout.num_tokens_padded,), NO_KV_SLOT, dtype=torch.int64
+        )
+        block_numbers = table_np[tokens.row_of_token, tokens.positions // block_size]
+        kv_slots[tokens.index] = torch.from_numpy(
+            block_numbers.astype(np.int64) * block_size + tokens.positions % block_size
+        )
+        attn_inputs.append(
+            (group, layout.attention(table_np, block_size, kv_slots, positions))
+        )
+        for layer_name in group.layer_names:
+            slot_mapping[layer_name] = kv_slots
+    return attn_inputs, slot_mapping
 
 
 def _history_writes(
@@ -267,17 +342,13 @@ def _history_writes(
 
 
 def _verify_inputs(
-    req_ids: list[str],
-    num_scheduled: np.ndarray,
-    num_computed: np.ndarray,
-    token_slots: np.ndarray,
-    plan: VerifyPlan,
+    rows: _Rows, token_slots: np.ndarray, plan: VerifyPlan
 ) -> StepInputs:
     """A verify step: the host's part is the plan; the device completes it."""
-    num_reqs = len(req_ids)
+    num_reqs = len(rows.req_ids)
     empty = torch.zeros(0, dtype=torch.int64)
     return StepInputs(
-        req_ids=req_ids,
+        req_ids=rows.req_ids,
         shape=BatchShape.DECODE,
         num_tokens_padded=plan.num_tokens_padded,
         row_offsets=np.arange(num_reqs, dtype=np.int64) * plan.width,
@@ -291,7 +362,7 @@ def _verify_inputs(
         sample_slots=plan.slots,
         token_slots=token_slots,
         needs_host_tokens=False,
-        num_new_tokens=num_scheduled.astype(np.int64),
+        num_new_tokens=rows.num_scheduled.astype(np.int64),
         verify=plan,
     )
 
