@@ -9,6 +9,7 @@ output thread only reads device results.
 """
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -162,22 +163,50 @@ class HostRequestState:
         this step's requests, in the row order of the step's inputs."""
         batch = self.batch
         update = StepUpdate()
-        for req_id in scheduler_output.finished_req_ids:
-            if (state := self.requests.pop(req_id, None)) is not None:
-                self.slots.release(req_id)
-                update.finished.append((req_id, state.output_token_ids))
-            self.num_prompt_logprobs.pop(req_id, None)
-            self.resumed_prompt_lens.pop(req_id, None)
-            batch.remove_request(req_id)
-
+        self._drop_finished(scheduler_output.finished_req_ids, update)
         cached = scheduler_output.scheduled_cached_reqs
         scheduled = scheduler_output.num_scheduled_tokens.keys()
         for req_id in batch.req_id_to_index.keys() - (
             scheduled - cached.resumed_req_ids
         ):
             batch.remove_request(req_id)
-
         to_add = [self._new_request(new) for new in scheduler_output.scheduled_new_reqs]
+        scheduled_num_tokens = self._apply_cached(cached, to_add)
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.refresh_metadata()
+        req_ids = list(batch.req_ids)
+        update.token_slots = self.slots.of(req_ids)
+        update.prompt_lens = self._per_row(
+            req_ids, lambda r: self.resumed_prompt_lens.get(r)
+        )
+        if self.speculates:
+            update.scheduled_num_tokens = self._per_row(
+                req_ids, scheduled_num_tokens.get
+            )
+            new_reqs = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+            self._speculation_rows(req_ids, new_reqs, update)
+        if self.num_prompt_logprobs:
+            self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
+        return update
+
+    def _drop_finished(self, finished_req_ids: set[str], update: StepUpdate) -> None:
+        for req_id in finished_req_ids:
+            if (state := self.requests.pop(req_id, None)) is not None:
+                self.slots.release(req_id)
+                update.finished.append((req_id, state.output_token_ids))
+            self.num_prompt_logprobs.pop(req_id, None)
+            self.resumed_prompt_lens.pop(req_id, None)
+            self.batch.remove_request(req_id)
+
+    def _apply_cached(
+        self, cached: Any, to_add: list[CachedRequestState]
+    ) -> dict[str, int]:
+        """The running and resumed requests' new computed tokens, outputs and
+        blocks; those no longer in the batch join ``to_add``. Returns each
+        one's tokens as the scheduler counts them."""
+        batch = self.batch
         scheduled_num_tokens: dict[str, int] = {}
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -206,43 +235,35 @@ class HostRequestState:
             batch.num_tokens_no_spec[row] = state.num_tokens
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, row)
+        return scheduled_num_tokens
 
-        for state in to_add:
-            batch.add_request(state)
-        batch.condense()
-        batch.refresh_metadata()
-        req_ids = list(batch.req_ids)
-        update.token_slots = self.slots.of(req_ids)
-        update.prompt_lens = np.fromiter(
+    def _per_row(
+        self, req_ids: list[str], value: Callable[[str], int | None]
+    ) -> np.ndarray:
+        """[num_reqs] ``value(req_id)``, the prompt's length where it is None."""
+        return np.fromiter(
             (
-                self.resumed_prompt_lens.get(r, self.requests[r].num_prompt_tokens)
+                n if (n := value(r)) is not None else self.requests[r].num_prompt_tokens
                 for r in req_ids
             ),
             dtype=np.int64,
             count=len(req_ids),
         )
-        if self.speculates:
-            update.scheduled_num_tokens = np.fromiter(
-                (
-                    scheduled_num_tokens.get(r, self.requests[r].num_prompt_tokens)
-                    for r in req_ids
-                ),
-                dtype=np.int64,
-                count=len(req_ids),
-            )
-            new_reqs = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-            update.num_cached_prompt_tokens = np.zeros(len(req_ids), np.int64)
-            for row, req_id in enumerate(req_ids):
-                state = self.requests[req_id]
-                params = state.sampling_params
-                if params is not None and params.min_tokens:
-                    stops = tuple(sorted(params.all_stop_token_ids))
-                    update.min_tokens.append((row, params.min_tokens, stops))
-                if req_id in new_reqs:
-                    update.num_cached_prompt_tokens[row] = state.num_computed_tokens
-        if self.num_prompt_logprobs:
-            self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
-        return update
+
+    def _speculation_rows(
+        self, req_ids: list[str], new_reqs: set[str], update: StepUpdate
+    ) -> None:
+        """A verify step's min_tokens rows, and a new request's prefix-cache
+        hit (the device history gets those prompt tokens too)."""
+        update.num_cached_prompt_tokens = np.zeros(len(req_ids), np.int64)
+        for row, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            params = state.sampling_params
+            if params is not None and params.min_tokens:
+                stops = tuple(sorted(params.all_stop_token_ids))
+                update.min_tokens.append((row, params.min_tokens, stops))
+            if req_id in new_reqs:
+                update.num_cached_prompt_tokens[row] = state.num_computed_tokens
 
     def _new_request(self, new: Any) -> CachedRequestState:
         params = new.sampling_params
