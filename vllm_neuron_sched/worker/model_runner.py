@@ -127,16 +127,9 @@ class NeuronSchedModelRunner:
             use_fp64_gumbel=self.model_config.use_fp64_gumbel,
         )
         self.speculation = Speculation.from_config(vllm_config)
-        # Proposes the drafts on the device; a draft model also runs its
-        # forward after every prefill forward.
-        self.proposer: Proposer | None = None
-        self.draft: DraftModel | None = None
-        if self.speculation is not None:
-            if self.speculation.method == DRAFT_MODEL:
-                self.draft = DraftModel(vllm_config, self.speculation, self.buckets)
-                self.proposer = self.draft
-            else:
-                self.proposer = NgramProposer(self.speculation)
+        self.proposer, self.draft = _proposer(
+            vllm_config, self.speculation, self.buckets
+        )
         # The newest sampling step's output, whose drafts the scheduler may
         # ask for (``take_draft_token_ids``).
         self._drafted: Materializer[ModelRunnerOutput] | None = None
@@ -172,15 +165,7 @@ class NeuronSchedModelRunner:
             is_output_rank=self.tp_rank == 0,
             queue_depth=2 if self.is_async else 1,
         )
-        # TP consistency (get_rank_state): final token histories, digested.
-        self.digest = RankDigest()
-        self.flow.subscribe(self.digest)
-        if self.tp_rank == 0 and envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S > 0:
-            self.flow.subscribe(StatsLog(self.flow, time.monotonic))
-        # Benchmarks only (VLLM_NEURON_SCHED_TIMELINE): None = not recorded.
-        self.timeline = StepTimeline.from_env()
-        if self.timeline is not None:
-            self.flow.subscribe(self.timeline)
+        self._subscribe_observers()
         self.ctx = StepContext(
             device,
             vllm_config,
@@ -192,6 +177,17 @@ class NeuronSchedModelRunner:
         )
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingStep | None = None
+
+    def _subscribe_observers(self) -> None:
+        # TP consistency (get_rank_state): final token histories, digested.
+        self.digest = RankDigest()
+        self.flow.subscribe(self.digest)
+        if self.tp_rank == 0 and envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S > 0:
+            self.flow.subscribe(StatsLog(self.flow, time.monotonic))
+        # Benchmarks only (VLLM_NEURON_SCHED_TIMELINE): None = not recorded.
+        self.timeline = StepTimeline.from_env()
+        if self.timeline is not None:
+            self.flow.subscribe(self.timeline)
 
     # ---- engine-facing API -------------------------------------------------
 
@@ -414,3 +410,16 @@ class NeuronSchedModelRunner:
                     input_ids=torch.zeros(num_tokens, dtype=torch.int32),
                     positions=torch.zeros(num_tokens, dtype=torch.int64),
                 )
+
+
+def _proposer(
+    vllm_config: "VllmConfig", speculation: Speculation | None, buckets: Buckets
+) -> tuple[Proposer | None, DraftModel | None]:
+    """What proposes the drafts on the device, and the draft model when that
+    is it (it also runs its forward after every prefill forward)."""
+    if speculation is None:
+        return None, None
+    if speculation.method == DRAFT_MODEL:
+        draft = DraftModel(vllm_config, speculation, buckets)
+        return draft, draft
+    return NgramProposer(speculation), None
