@@ -4,14 +4,8 @@ the refusals of what it does not (checked at start-up, before any process)."""
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.attention.backend import CommonAttentionMetadata
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.worker.utils import AttentionGroup
-
-    # Per attention group, the plain metadata its builder turns into its own.
-    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
 
 # The proposers this runner runs on the device. "ngram_gpu" is vLLM's name for

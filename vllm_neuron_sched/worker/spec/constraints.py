@@ -7,20 +7,15 @@ from typing import TYPE_CHECKING
 
 import torch
 from vllm.model_executor.layers.utils import apply_penalties
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from vllm.v1.sample.ops.bad_words import apply_bad_words
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.worker.utils import AttentionGroup
 
     from vllm_neuron_sched.worker.spec.verify import VerifyPlan
     from vllm_neuron_sched.worker.token_table import DeviceTokens
-
-    # Per attention group, the plain metadata its builder turns into its own.
-    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
 
 def constrain_verify_logits(
@@ -38,57 +33,20 @@ def constrain_verify_logits(
     the device history: under async scheduling the host's lists still hold
     placeholders. vLLM's ``apply_penalties`` does the arithmetic, as in stock
     sampling; vLLM's own rejection sampler counts the drafts the same way."""
-    width = plan.width
     mask = metadata.allowed_token_ids_mask
     bad_words = metadata.bad_words_token_ids
     if metadata.no_penalties and mask is None and not plan.min_tokens and not bad_words:
         return logits, metadata
     logits = logits.clone()
-    rows, vocab = plan.num_rows, logits.shape[1]
     lengths = tokens.lengths_of(plan.slots)
     if mask is not None:
-        logits.masked_fill_(mask[:rows].repeat_interleave(width, 0), float("-inf"))
-    # min_tokens: query j follows the row's outputs and j drafts.
-    num_outputs = (lengths - plan.prompt_lens).tolist()
-    for row, wanted, stops in plan.min_tokens:
-        for j in range(min(width, max(0, wanted - num_outputs[row]))):
-            logits[row * width + j, list(stops)] = float("-inf")
+        rows = mask[: plan.num_rows].repeat_interleave(plan.width, 0)
+        logits.masked_fill_(rows, float("-inf"))
+    _mask_min_tokens(logits, plan, lengths)
     if bad_words:
-        # vLLM's rule per query, over the row's outputs and the query's drafts.
-        queries: dict[int, list[list[int]]] = {}
-        pasts: list[list[int]] = [[] for _ in range(rows * width)]
-        for row, words in bad_words.items():
-            slot = plan.slots[row : row + 1]
-            start, end = int(plan.prompt_lens[row]), int(lengths[row])
-            outputs = tokens.histories_of(slot, end)[0, start:].tolist()
-            drafts = tokens.drafts_of(slot, width - 1)[0].tolist()
-            for j in range(width):
-                queries[row * width + j] = words
-                pasts[row * width + j] = outputs + drafts[:j]
-        apply_bad_words(logits, queries, pasts)
+        _mask_bad_words(logits, plan, tokens, lengths, bad_words)
     if not metadata.no_penalties:
-        assert metadata.prompt_token_ids is not None
-        span = int(lengths.max()) + width - 1
-        history = tokens.histories_of(plan.slots, span).long()
-        if width > 1:
-            columns = lengths[:, None] + torch.arange(width - 1)
-            history = history.scatter(
-                1, columns, tokens.drafts_of(plan.slots, width - 1).long()
-            )
-        position = torch.arange(span)[None, None, :]
-        ends = lengths[:, None] + torch.arange(width)[None, :]  # [rows, width]
-        is_output = (position >= plan.prompt_lens[:, None, None]) & (
-            position < ends[:, :, None]
-        )
-        outputs = torch.where(is_output, history[:, None, :], vocab)
-        apply_penalties(
-            logits,
-            metadata.prompt_token_ids[:rows].repeat_interleave(width, 0),
-            outputs.reshape(rows * width, span),
-            metadata.presence_penalties[:rows].repeat_interleave(width),
-            metadata.frequency_penalties[:rows].repeat_interleave(width),
-            metadata.repetition_penalties[:rows].repeat_interleave(width),
-        )
+        _apply_penalties(logits, plan, tokens, lengths, metadata)
     # The sampler (the bonus tokens) must not apply them again; vLLM's
     # min_tokens processor would mask by the host's count, not the query's.
     processors = LogitsProcessors()
@@ -104,4 +62,72 @@ def constrain_verify_logits(
         allowed_token_ids_mask=None,
         bad_words_token_ids={},
         logitsprocs=processors,
+    )
+
+
+def _mask_min_tokens(
+    logits: torch.Tensor, plan: "VerifyPlan", lengths: torch.Tensor
+) -> None:
+    """Query j follows the row's outputs and j drafts: its stops are masked
+    while those are fewer than min_tokens."""
+    width = plan.width
+    num_outputs = (lengths - plan.prompt_lens).tolist()
+    for row, wanted, stops in plan.min_tokens:
+        for j in range(min(width, max(0, wanted - num_outputs[row]))):
+            logits[row * width + j, list(stops)] = float("-inf")
+
+
+def _mask_bad_words(
+    logits: torch.Tensor,
+    plan: "VerifyPlan",
+    tokens: "DeviceTokens",
+    lengths: torch.Tensor,
+    bad_words: dict[int, list[list[int]]],
+) -> None:
+    """vLLM's rule per query, over the row's outputs and the query's drafts."""
+    width = plan.width
+    queries: dict[int, list[list[int]]] = {}
+    pasts: list[list[int]] = [[] for _ in range(plan.num_rows * width)]
+    for row, words in bad_words.items():
+        slot = plan.slots[row : row + 1]
+        start, end = int(plan.prompt_lens[row]), int(lengths[row])
+        outputs = tokens.histories_of(slot, end)[0, start:].tolist()
+        drafts = tokens.drafts_of(slot, width - 1)[0].tolist()
+        for j in range(width):
+            queries[row * width + j] = words
+            pasts[row * width + j] = outputs + drafts[:j]
+    apply_bad_words(logits, queries, pasts)
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    plan: "VerifyPlan",
+    tokens: "DeviceTokens",
+    lengths: torch.Tensor,
+    metadata: "SamplingMetadata",
+) -> None:
+    """vLLM's penalties per query: the row's outputs then the query's drafts
+    count as its output tokens."""
+    assert metadata.prompt_token_ids is not None
+    rows, width, vocab = plan.num_rows, plan.width, logits.shape[1]
+    span = int(lengths.max()) + width - 1
+    history = tokens.histories_of(plan.slots, span).long()
+    if width > 1:
+        columns = lengths[:, None] + torch.arange(width - 1)
+        history = history.scatter(
+            1, columns, tokens.drafts_of(plan.slots, width - 1).long()
+        )
+    position = torch.arange(span)[None, None, :]
+    ends = lengths[:, None] + torch.arange(width)[None, :]  # [rows, width]
+    is_output = (position >= plan.prompt_lens[:, None, None]) & (
+        position < ends[:, :, None]
+    )
+    outputs = torch.where(is_output, history[:, None, :], vocab)
+    apply_penalties(
+        logits,
+        metadata.prompt_token_ids[:rows].repeat_interleave(width, 0),
+        outputs.reshape(rows * width, span),
+        metadata.presence_penalties[:rows].repeat_interleave(width),
+        metadata.frequency_penalties[:rows].repeat_interleave(width),
+        metadata.repetition_penalties[:rows].repeat_interleave(width),
     )

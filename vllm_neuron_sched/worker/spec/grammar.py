@@ -7,17 +7,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_neuron_sched.worker.spec.rejection import REJECTED
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput
-    from vllm.v1.worker.utils import AttentionGroup
-
-    # Per attention group, the plain metadata its builder turns into its own.
-    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
 
 @dataclass(frozen=True)

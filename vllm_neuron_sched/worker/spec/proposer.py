@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_neuron_sched.worker.results import Drafts
 from vllm_neuron_sched.worker.spec.config import Speculation
@@ -14,12 +13,7 @@ from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
 if TYPE_CHECKING:
-    from vllm.v1.worker.utils import AttentionGroup
-
     from vllm_neuron_sched.worker.token_table import DeviceTokens
-
-    # Per attention group, the plain metadata its builder turns into its own.
-    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ rule) and the logprobs of the tokens it accepts."""
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import generate_uniform_probs
@@ -12,10 +11,6 @@ from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.worker.utils import AttentionGroup
-
-    # Per attention group, the plain metadata its builder turns into its own.
-    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
 
 # Rejected positions in the rejection sampler's output.
@@ -125,18 +120,9 @@ def rejection_sample(
     if not metadata.all_greedy:
         row_of = torch.arange(rows).repeat_interleave(num_drafts)
         is_greedy = (metadata.temperature < GREEDY_TEMPERATURE)[row_of]
-        probs = sampling_scaled(target, metadata, row_of).softmax(dim=-1)
-        uniform = generate_uniform_probs(
-            draft_ids.shape[0], counts, metadata.generators, probs.device
+        random_accept, random_recovered = _random_rule(
+            sampler, target, draft_ids, row_of, counts, metadata
         )
-        random_accept = uniform < probs.gather(1, draft_ids[:, None])[:, 0]
-        residual = probs.scatter(1, draft_ids[:, None], 0.0)
-        noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
-        noise = torch.empty((rows, probs.shape[1]), dtype=noise_dtype).exponential_()
-        for row, generator in metadata.generators.items():
-            if counts[row]:
-                noise[row].exponential_(generator=generator)
-        random_recovered = (residual / noise[row_of]).argmax(dim=-1)
         accept = torch.where(is_greedy, accept, random_accept)
         recovered = torch.where(is_greedy, recovered, random_recovered)
     accepted = torch.zeros((rows, k), dtype=torch.int64)
@@ -154,3 +140,28 @@ def rejection_sample(
     )
     out.scatter_(1, num_accepted[:, None], last[:, None].to(torch.int32))
     return out
+
+
+def _random_rule(
+    sampler: "Sampler",
+    target: torch.Tensor,
+    draft_ids: torch.Tensor,
+    row_of: torch.Tensor,
+    counts: list[int],
+    metadata: "SamplingMetadata",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each draft [T]: accepted with probability p(draft), and the token
+    drawn from p without the draft (the replacement if it is rejected)."""
+    probs = sampling_scaled(target, metadata, row_of).softmax(dim=-1)
+    uniform = generate_uniform_probs(
+        draft_ids.shape[0], counts, metadata.generators, probs.device
+    )
+    accept = uniform < probs.gather(1, draft_ids[:, None])[:, 0]
+    residual = probs.scatter(1, draft_ids[:, None], 0.0)
+    noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
+    rows = len(counts)
+    noise = torch.empty((rows, probs.shape[1]), dtype=noise_dtype).exponential_()
+    for row, generator in metadata.generators.items():
+        if counts[row]:
+            noise[row].exponential_(generator=generator)
+    return accept, (residual / noise[row_of]).argmax(dim=-1)
