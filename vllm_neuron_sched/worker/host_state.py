@@ -94,12 +94,9 @@ class StepUpdate:
     scheduled_num_tokens: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.int64)
     )
-    # With speculation: (row, min_tokens, stop token ids) of the rows whose
-    # request sets min_tokens (a verify step masks the stops per query).
-    min_tokens: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
-    # With speculation: [num_reqs] the prompt tokens a new request's
-    # prefix-cache hit gave it (0 on every other row): the step writes them
-    # into the device history, which the n-gram proposer reads.
+    # [num_reqs] the prompt tokens a new request's prefix-cache hit gave it
+    # (0 on every other row): a step that writes the device histories (the
+    # n-gram proposer reads them) writes those too.
     num_cached_prompt_tokens: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.int64)
     )
@@ -181,12 +178,10 @@ class HostRequestState:
         update.prompt_lens = self._per_row(
             req_ids, lambda r: self.resumed_prompt_lens.get(r)
         )
-        if self.speculates:
-            update.scheduled_num_tokens = self._per_row(
-                req_ids, scheduled_num_tokens.get
-            )
-            new_reqs = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-            self._speculation_rows(req_ids, new_reqs, update)
+        update.scheduled_num_tokens = self._per_row(req_ids, scheduled_num_tokens.get)
+        update.num_cached_prompt_tokens = self._cached_prompt_tokens(
+            req_ids, scheduler_output.scheduled_new_reqs
+        )
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update
@@ -250,20 +245,15 @@ class HostRequestState:
             count=len(req_ids),
         )
 
-    def _speculation_rows(
-        self, req_ids: list[str], new_reqs: set[str], update: StepUpdate
-    ) -> None:
-        """A verify step's min_tokens rows, and a new request's prefix-cache
-        hit (the device history gets those prompt tokens too)."""
-        update.num_cached_prompt_tokens = np.zeros(len(req_ids), np.int64)
-        for row, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            params = state.sampling_params
-            if params is not None and params.min_tokens:
-                stops = tuple(sorted(params.all_stop_token_ids))
-                update.min_tokens.append((row, params.min_tokens, stops))
-            if req_id in new_reqs:
-                update.num_cached_prompt_tokens[row] = state.num_computed_tokens
+    def _cached_prompt_tokens(
+        self, req_ids: list[str], new_reqs: list[Any]
+    ) -> np.ndarray:
+        """[num_reqs] each new request's prefix-cache hit, 0 elsewhere."""
+        hits = np.zeros(len(req_ids), np.int64)
+        row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+        for new in new_reqs:
+            hits[row_of[new.req_id]] = new.num_computed_tokens
+        return hits
 
     def _new_request(self, new: Any) -> CachedRequestState:
         params = new.sampling_params

@@ -63,15 +63,15 @@ from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
     StepUpdate,
 )
-from vllm_neuron_sched.worker.inputs import StepInputs, build_step_inputs
+from vllm_neuron_sched.worker.inputs import StepRows
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.results import DraftedOutput
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
 from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
-from vllm_neuron_sched.worker.spec.verify import VerifyStep
-from vllm_neuron_sched.worker.steps import Step, StepContext, TokensStep
+from vllm_neuron_sched.worker.spec.steps import SPECULATIVE_STEPS
+from vllm_neuron_sched.worker.steps import PLAIN_STEPS, Step, StepContext
 from vllm_neuron_sched.worker.timeline import StepTimeline
 from vllm_neuron_sched.worker.token_table import DeviceTokens
 
@@ -116,48 +116,22 @@ class NeuronSchedModelRunner:
         self.is_async = bool(scheduler_config.async_scheduling)
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
-        self.buckets = Buckets.from_limits(
-            envs.VLLM_NEURON_SCHED_DECODE_BUCKETS,
-            self.max_num_reqs,
-            self.max_num_tokens,
-            engine_prefill_shapes(vllm_config),
-        )
-        self.sampler = Sampler(
-            logprobs_mode=self.model_config.logprobs_mode,
-            use_fp64_gumbel=self.model_config.use_fp64_gumbel,
-        )
-        self.speculation = Speculation.from_config(vllm_config)
-        self.proposer, self.draft = _proposer(
-            vllm_config, self.speculation, self.buckets
+        self.tp_rank = tp_group.rank_in_group
+        self.device = device
+        self.ctx = self._step_context(tp_group, torch_device or torch.device("cpu"))
+        self.kv_cache = self.ctx.kv_cache
+        self.step_kinds = (
+            PLAIN_STEPS if self.ctx.speculation is None else SPECULATIVE_STEPS
         )
         # The newest sampling step's output, whose drafts the scheduler may
         # ask for (``take_draft_token_ids``).
         self._drafted: Materializer[ModelRunnerOutput] | None = None
-        self.tp_rank = tp_group.rank_in_group
-        self.device = device
-        # Our schedulers finish a failed step's requests and serve the
-        # others. Under any other scheduler, and with TP ranks (a failure in a
-        # collective means a peer is gone, and ranks cannot know they failed
-        # alike), a device failure stops the engine.
-        self.fails_requests_alone = tp_group.world_size == 1 and (
-            finishes_failed_requests(getattr(scheduler_config, "scheduler_cls", None))
-        )
-        self.kv_cache = KVCache(
-            vllm_config, torch_device or torch.device("cpu"), device
-        )
-        spec = self.speculation
-        self.token_table = DeviceTokens(
-            self.max_num_reqs,
-            device,
-            history_len=0 if spec is None else spec.history_len,
-            num_drafts=0 if spec is None else spec.num_tokens,
-        )
         self.host = HostRequestState(
-            self.token_table,
+            self.ctx.token_table,
             self.model_config.get_vocab_size(),
             self.max_num_reqs,
             self.max_num_tokens,
-            speculates=spec is not None,
+            speculates=self.ctx.speculation is not None,
         )
         self.flow = AsyncFlow(
             device,
@@ -166,17 +140,53 @@ class NeuronSchedModelRunner:
             queue_depth=2 if self.is_async else 1,
         )
         self._subscribe_observers()
-        self.ctx = StepContext(
-            device,
-            vllm_config,
-            self.sampler,
-            self.token_table,
-            self.fails_requests_alone,
-            self.proposer,
-            self.draft,
-        )
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingStep | None = None
+
+    def _step_context(
+        self, tp_group: "GroupCoordinator", torch_device: torch.device
+    ) -> StepContext:
+        vllm_config = self.vllm_config
+        buckets = Buckets.from_limits(
+            envs.VLLM_NEURON_SCHED_DECODE_BUCKETS,
+            self.max_num_reqs,
+            self.max_num_tokens,
+            engine_prefill_shapes(vllm_config),
+        )
+        spec = Speculation.from_config(vllm_config)
+        self.draft: DraftModel | None = None
+        proposer: Proposer | None = None
+        if spec is not None and spec.method == DRAFT_MODEL:
+            # It also runs its forward after every prefill forward.
+            proposer = self.draft = DraftModel(vllm_config, spec, buckets)
+        elif spec is not None:
+            proposer = NgramProposer(spec)
+        return StepContext(
+            device=self.device,
+            vllm_config=vllm_config,
+            sampler=Sampler(
+                logprobs_mode=self.model_config.logprobs_mode,
+                use_fp64_gumbel=self.model_config.use_fp64_gumbel,
+            ),
+            token_table=DeviceTokens(
+                self.max_num_reqs,
+                self.device,
+                history_len=0 if spec is None else spec.history_len,
+                num_drafts=0 if spec is None else spec.num_tokens,
+            ),
+            buckets=buckets,
+            kv_cache=KVCache(vllm_config, torch_device, self.device),
+            # Our schedulers finish a failed step's requests and serve the
+            # others. Under any other scheduler, and with TP ranks (a failure
+            # in a collective means a peer is gone, and ranks cannot know
+            # they failed alike), a device failure stops the engine.
+            fails_requests_alone=tp_group.world_size == 1
+            and finishes_failed_requests(
+                getattr(vllm_config.scheduler_config, "scheduler_cls", None)
+            ),
+            speculation=spec,
+            proposer=proposer,
+        )
 
     def _subscribe_observers(self) -> None:
         # TP consistency (get_rank_state): final token histories, digested.
@@ -335,12 +345,7 @@ class NeuronSchedModelRunner:
                 # no wait, so an idle worker holds no step it need not.
                 self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            inputs = self._build_inputs(scheduler_output, update)
-            step = (
-                TokensStep(inputs, proposes=self.proposer is not None)
-                if inputs.verify is None
-                else VerifyStep(inputs)
-            )
+            step = self._build_step(scheduler_output, update)
             step.enqueue_forward(self.ctx, update.prompt_logprobs_jobs)
             self._pending = _PendingStep(step, scheduler_output, update.prompt_logprobs)
             return None
@@ -375,29 +380,23 @@ class NeuronSchedModelRunner:
 
     # ---- the step pipeline --------------------------------------------------
 
-    def _build_inputs(
+    def _build_step(
         self, scheduler_output: "SchedulerOutput", update: StepUpdate
-    ) -> StepInputs:
-        spec = self.speculation
+    ) -> Step:
+        """The step's kind, picked once from its rows, and its build."""
 
-        def build() -> StepInputs:
-            return build_step_inputs(
-                self.host.batch,
-                scheduler_output.num_scheduled_tokens,
-                self.buckets,
-                self.kv_cache.attn_groups,
-                update,
-                None if spec is None else scheduler_output.scheduled_spec_decode_tokens,
-                0 if spec is None else spec.num_tokens,
-            )
+        def build() -> Step:
+            rows = StepRows.of(self.host.batch, scheduler_output, update)
+            kind = self.step_kinds.of(rows.shape)
+            return kind.build(self.ctx, self.host, rows, update)
 
-        inputs = build()
-        if inputs.needs_host_tokens:
+        step = build()
+        if step.needs_host_tokens:
             # A prompt position holds a token still on the device (not
             # expected with these schedulers): wait for it, then rebuild.
             self.flow.retire()
-            inputs = build()
-        return inputs
+            step = build()
+        return step
 
     def _dummy_forward(self, num_tokens: int) -> None:
         models = [self.model] + ([] if self.draft is None else [self.draft.model])
@@ -410,16 +409,3 @@ class NeuronSchedModelRunner:
                     input_ids=torch.zeros(num_tokens, dtype=torch.int32),
                     positions=torch.zeros(num_tokens, dtype=torch.int64),
                 )
-
-
-def _proposer(
-    vllm_config: "VllmConfig", speculation: Speculation | None, buckets: Buckets
-) -> tuple[Proposer | None, DraftModel | None]:
-    """What proposes the drafts on the device, and the draft model when that
-    is it (it also runs its forward after every prefill forward)."""
-    if speculation is None:
-        return None, None
-    if speculation.method == DRAFT_MODEL:
-        draft = DraftModel(vllm_config, speculation, buckets)
-        return draft, draft
-    return NgramProposer(speculation), None

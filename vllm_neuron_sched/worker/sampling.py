@@ -24,7 +24,6 @@ from vllm.v1.sample.logits_processor.builtin import (
 )
 
 from vllm_neuron_sched.worker.results import Sampled
-from vllm_neuron_sched.worker.spec.proposer import Proposer, after_prompt_sampling
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 logger = init_logger(__name__)
@@ -112,14 +111,10 @@ def sample_on_device(
     discarded_rows: list[int],
     repairs: list[tuple[int, int]],
     grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
-    speculation: "tuple[Proposer, torch.Tensor, dict[int, torch.Tensor]] | None" = None,
 ) -> Sampled:
     """Runs on the device thread. Samples, writes each sampling row's token
     into the device token table (``write_slots``; non-sampling rows point at
-    the padding slot) and returns the tokens and their logprobs.
-    ``speculation``: also into the histories (at each row's next position),
-    and propose each row's first drafts (the proposer, the positions, the
-    rows' block tables)."""
+    the padding slot) and returns the tokens and their logprobs."""
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
     with torch.inference_mode():
@@ -147,13 +142,7 @@ def sample_on_device(
         for row, state in kept_states.items():
             metadata.generators[row].set_state(state)
         tokens.write(write_slots, sampled)
-        drafts = None
-        if speculation is not None:
-            proposer, positions, tables = speculation
-            drafts = after_prompt_sampling(
-                proposer, tokens, write_slots, positions, sampled, tables
-            )
-    return Sampled(sampled, output.logprobs_tensors, drafts)
+    return Sampled(sampled, output.logprobs_tensors)
 
 
 def prompt_logprobs_on_device(

@@ -1,18 +1,20 @@
 """A step as an object: what the runner enqueues for one scheduler step.
 
-A step kind owns its device program: ``enqueue_forward`` (the forward
-execution) and ``enqueue_sampling`` (its last execution, and the output the
-host reads from it). The runner picks the kind once, when the step's inputs
-are built, and from then on the async flow, the counters and the error path
-see this one interface. ``TokensStep`` runs inputs the host laid out (prompt
-chunks, decode rows, or both under a scheduler that mixes); a verify step
-(``spec/verify.py``, with speculative decoding) completes its inputs on the
-device. A new kind (a pipeline stage, a device that runs other steps) is a
-new class, not a flag.
+A step kind owns its host-side build (``build``, from the scheduler's rows and
+the host state), its device program (``enqueue_forward``: the forward
+execution; ``enqueue_sampling``: its last execution, and the output the host
+reads from it) and its typed device result (``results.py``). The runner picks
+the kind once, from the batch's shape (``StepKinds``), and from then on the
+async flow, the counters and the error path see this one interface.
+
+``PrefillStep``, ``DecodeStep`` and ``MixedStep`` (a scheduler that mixes)
+run inputs the host laid out (``inputs.py``); with speculative decoding the
+kinds are ``spec/steps.py``'s. A new kind (a pipeline stage, a device that
+runs other steps) is a new class, not a flag.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -21,8 +23,9 @@ from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
-from vllm_neuron_sched.worker.inputs import StepInputs
-from vllm_neuron_sched.worker.results import make_output_materializer
+from vllm_neuron_sched.worker.inputs import StepInputs, StepRows, token_inputs
+from vllm_neuron_sched.worker.layout import Layout
+from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
     history_repairs,
     own_masks,
@@ -38,26 +41,38 @@ if TYPE_CHECKING:
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_neuron_sched.runtime import Device
-    from vllm_neuron_sched.worker.host_state import PromptLogprobsJob
-    from vllm_neuron_sched.worker.spec.draft_model import DraftModel
+    from vllm_neuron_sched.worker.buckets import Buckets
+    from vllm_neuron_sched.worker.host_state import (
+        HostRequestState,
+        PromptLogprobsJob,
+        StepUpdate,
+    )
+    from vllm_neuron_sched.worker.kv_cache import KVCache
+    from vllm_neuron_sched.worker.spec.config import Speculation
     from vllm_neuron_sched.worker.spec.proposer import Proposer
     from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+    # The engine's grammar masks for a step's sampling, when it has any.
+    Grammar = tuple[SchedulerOutput, GrammarOutput] | None
 
 
 @dataclass
 class StepContext:
-    """What every step's device program runs with, fixed at start-up."""
+    """What every step's build and device program run with, fixed at
+    start-up (the model once loaded)."""
 
     device: "Device"
     vllm_config: "VllmConfig"
     sampler: "Sampler"
     token_table: "DeviceTokens"
+    buckets: "Buckets"
+    kv_cache: "KVCache"
     # Our schedulers finish a failed step's requests and serve the others.
     fails_requests_alone: bool
-    # Speculative decoding: the proposer (a draft model, or None for n-gram).
+    # Speculative decoding: its settings and what proposes the drafts.
+    speculation: "Speculation | None" = None
     proposer: "Proposer | None" = None
-    draft: "DraftModel | None" = None
-    model: Any = None  # the runner's, once loaded
+    model: Any = None
 
     @property
     def max_model_len(self) -> int:
@@ -75,6 +90,22 @@ class Step(Protocol):
     # Its sampling also proposes drafts (the scheduler may ask for them).
     drafts: bool
 
+    @classmethod
+    def build(
+        cls,
+        ctx: StepContext,
+        host: "HostRequestState",
+        rows: StepRows,
+        update: "StepUpdate",
+    ) -> "Step": ...
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """An input token is still on the device where the host must hold it
+        (not expected with our schedulers): the runner retires what is in
+        flight and builds the step again."""
+        ...
+
     @property
     def num_table_rows(self) -> int:
         """Rows whose input ids the forward reads from the token table."""
@@ -88,7 +119,7 @@ class Step(Protocol):
         self,
         ctx: StepContext,
         metadata: "SamplingMetadata",
-        grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
+        grammar: "Grammar",
         prompt_logprobs: dict[str, LogprobsTensors],
     ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
         """The step's last execution and its output: sampling, or for a step
@@ -98,17 +129,62 @@ class Step(Protocol):
         ...
 
 
-class TokensStep:
-    """A step whose input tokens the host laid out (``inputs.py``): prompt
-    chunks, decode rows reading their ids from the token table, or both."""
+@dataclass(frozen=True)
+class StepKinds:
+    """The step class for each batch shape; None: this runner cannot run it."""
 
-    def __init__(self, inputs: StepInputs, proposes: bool) -> None:
+    prefill: type[Step]
+    decode: type[Step]
+    mixed: type[Step] | None
+
+    def of(self, shape: BatchShape) -> type[Step]:
+        if shape is BatchShape.PREFILL:
+            return self.prefill
+        if shape is BatchShape.DECODE:
+            return self.decode
+        if self.mixed is None:
+            raise RuntimeError(
+                "speculative decoding needs steps that never mix prefill and "
+                "decode (the vllm_neuron_sched schedulers)"
+            )
+        return self.mixed
+
+
+class TokensStep:
+    """A step whose input tokens the host laid out: its kind says where they
+    sit (``of_layout``); the device gathers decode rows' ids from the token
+    table, runs the model and samples."""
+
+    shape: ClassVar[BatchShape]
+    drafts: ClassVar[bool] = False
+
+    def __init__(self, inputs: StepInputs, num_new_tokens: np.ndarray) -> None:
         self.inputs = inputs
         self.req_ids = inputs.req_ids
-        self.shape = inputs.shape
-        self.num_new_tokens = inputs.num_new_tokens
-        self.drafts = proposes
+        self.num_new_tokens = num_new_tokens
         self._logits: DeviceFuture | None = None
+
+    @classmethod
+    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
+        raise NotImplementedError
+
+    @classmethod
+    def build(
+        cls,
+        ctx: StepContext,
+        host: "HostRequestState",
+        rows: StepRows,
+        update: "StepUpdate",
+    ) -> "TokensStep":
+        layout = cls.of_layout(ctx.buckets, rows)
+        inputs = token_inputs(
+            host.batch, rows, layout, update.token_slots, ctx.kv_cache.attn_groups
+        )
+        return cls(inputs, inputs.is_sampled.astype(np.int64))
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        return self.inputs.needs_host_tokens
 
     @property
     def num_table_rows(self) -> int:
@@ -117,19 +193,15 @@ class TokensStep:
     def enqueue_forward(
         self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"
     ) -> None:
-        inputs = self.inputs
         self._logits = ctx.device.enqueue(
-            _forward_on_device,
-            ctx,
-            inputs,
-            prompt_logprobs_jobs,
+            self.forward_on_device, ctx, prompt_logprobs_jobs
         )
 
     def enqueue_sampling(
         self,
         ctx: StepContext,
         metadata: "SamplingMetadata",
-        grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
+        grammar: "Grammar",
         prompt_logprobs: dict[str, LogprobsTensors],
     ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
         inputs = self.inputs
@@ -140,18 +212,12 @@ class TokensStep:
             if not ctx.device.runs_at_enqueue:
                 metadata = snapshot_sampling_metadata(metadata)
             result = ctx.device.enqueue(
-                sample_on_device,
-                ctx.sampler,
-                ctx.token_table,
+                self.sample_on_device,
+                ctx,
                 self._logits,
                 metadata,
-                inputs.sample_slots,
-                np.flatnonzero(~inputs.is_sampled).tolist(),
                 repairs,
                 None if grammar is None else own_masks(*grammar, inputs.req_ids),
-                None
-                if ctx.proposer is None
-                else (ctx.proposer, inputs.next_positions, inputs.block_tables()),
             )
         output = make_output_materializer(
             result,
@@ -162,20 +228,34 @@ class TokensStep:
         )
         return result, output
 
+    # ---- device side: inside the step's executions only ----------------------
 
-def _forward_on_device(
-    ctx: StepContext,
-    inputs: StepInputs,
-    prompt_logprobs_jobs: "list[PromptLogprobsJob]",
-) -> torch.Tensor | None:
-    """Runs on the device: decode rows' ids from the token table, then the
-    model at its padded shape; the sampling rows' logits (None when no row
-    samples)."""
-    with torch.inference_mode():
-        ctx.token_table.gather(inputs.input_ids, inputs.gather)
-        if inputs.history_writes is not None:
-            ctx.token_table.record(*inputs.history_writes)
-        hidden_states = run_model(
+    def forward_on_device(
+        self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"
+    ) -> torch.Tensor | None:
+        """Decode rows' ids from the token table, then the model at the
+        padded shape; the sampling rows' logits (None when no row samples)."""
+        inputs = self.inputs
+        with torch.inference_mode():
+            ctx.token_table.gather(inputs.input_ids, inputs.gather)
+            hidden_states = self.run_model_on_device(ctx)
+            logprobs_mode = ctx.vllm_config.model_config.logprobs_mode
+            for row, *job in prompt_logprobs_jobs:
+                prompt_logprobs_on_device(
+                    ctx.model,
+                    ctx.sampler,
+                    logprobs_mode,
+                    hidden_states,
+                    int(inputs.row_offsets[row]),
+                    *job,
+                )
+            if not inputs.has_samples:
+                return None
+            return ctx.model.compute_logits(hidden_states[inputs.logits_indices])
+
+    def run_model_on_device(self, ctx: StepContext) -> torch.Tensor:
+        inputs = self.inputs
+        return run_model(
             ctx.model,
             ctx.vllm_config,
             inputs.input_ids,
@@ -184,23 +264,72 @@ def _forward_on_device(
             inputs.slot_mapping,
             inputs.num_tokens_padded,
         )
-        if ctx.draft is not None:
-            ctx.draft.prefill(
-                inputs.input_ids,
-                inputs.positions,
-                inputs.attn_inputs,
-                inputs.num_tokens_padded,
-            )
-        logprobs_mode = ctx.vllm_config.model_config.logprobs_mode
-        for row, *job in prompt_logprobs_jobs:
-            prompt_logprobs_on_device(
-                ctx.model,
-                ctx.sampler,
-                logprobs_mode,
-                hidden_states,
-                int(inputs.row_offsets[row]),
-                *job,
-            )
-        if not inputs.has_samples:
-            return None
-        return ctx.model.compute_logits(hidden_states[inputs.logits_indices])
+
+    def sample_on_device(
+        self,
+        ctx: StepContext,
+        logits: torch.Tensor,
+        metadata: "SamplingMetadata",
+        repairs: list[tuple[int, int]],
+        grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+    ) -> Sampled:
+        inputs = self.inputs
+        return sample_on_device(
+            ctx.sampler,
+            ctx.token_table,
+            logits,
+            metadata,
+            inputs.sample_slots,
+            np.flatnonzero(~inputs.is_sampled).tolist(),
+            repairs,
+            grammar,
+        )
+
+
+def prefill_layout(
+    buckets: "Buckets", num_scheduled: np.ndarray, num_computed: np.ndarray
+) -> Layout:
+    """Prompt chunks at their declared prefill shape, else packed to a
+    token-count bucket."""
+    shape = buckets.prefill_shape(num_scheduled.tolist())
+    if shape is not None:
+        return Layout.of_prefill(shape, num_scheduled, num_computed)
+    padded = buckets.pad_tokens(int(num_scheduled.sum()))
+    return Layout.packed(num_scheduled, num_computed, padded)
+
+
+class PrefillStep(TokensStep):
+    """Prompt chunks only, at a static prefill shape."""
+
+    shape = BatchShape.PREFILL
+
+    @classmethod
+    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
+        return prefill_layout(buckets, rows.num_scheduled, rows.num_computed)
+
+
+class DecodeStep(TokensStep):
+    """One newest token per row, its id from the token table, packed to the
+    decode bucket."""
+
+    shape = BatchShape.DECODE
+
+    @classmethod
+    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
+        padded = buckets.pad_decode(len(rows.req_ids))
+        return Layout.packed(rows.num_scheduled, rows.num_computed, padded)
+
+
+class MixedStep(TokensStep):
+    """Prompt chunks and decode rows together (a scheduler that mixes them,
+    such as vLLM's own), packed to a token-count bucket."""
+
+    shape = BatchShape.MIXED
+
+    @classmethod
+    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
+        padded = buckets.pad_tokens(int(rows.num_scheduled.sum()))
+        return Layout.packed(rows.num_scheduled, rows.num_computed, padded)
+
+
+PLAIN_STEPS = StepKinds(PrefillStep, DecodeStep, MixedStep)

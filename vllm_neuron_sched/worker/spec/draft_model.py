@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.worker.utils import AttentionGroup
 
     from vllm_neuron_sched.worker.buckets import Buckets
+    from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
@@ -84,23 +85,23 @@ class DraftModel:
 
     # ---- device side ---------------------------------------------------------
 
-    def prefill(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
-        num_tokens_padded: int,
-    ) -> None:
+    def prefill(self, inputs: "StepInputs") -> None:
         """The draft over a prefill step's tokens, with the target's attention
         inputs (same blocks, same KV slots)."""
-        commons = {group.kv_cache_group_id: common for group, common in attn_inputs}
+        commons = {g.kv_cache_group_id: common for g, common in inputs.attn_inputs}
         draft_inputs = [(g, commons[g.kv_cache_group_id]) for g in self.groups]
         slot_mapping = {
             name: common.slot_mapping
             for group, common in draft_inputs
             for name in group.layer_names
         }
-        self._run(input_ids, positions, draft_inputs, slot_mapping, num_tokens_padded)
+        self._run(
+            inputs.input_ids,
+            inputs.positions,
+            draft_inputs,
+            slot_mapping,
+            inputs.num_tokens_padded,
+        )
 
     def _run(
         self,

@@ -13,6 +13,7 @@ from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
 if TYPE_CHECKING:
+    from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
@@ -31,15 +32,25 @@ class AcceptedTokens:
 
 
 class Proposer(Protocol):
-    """Device side: the next drafts of the rows in ``accepted``, into the
-    token table (``DeviceTokens.set_drafts``)."""
+    """Device side, inside a step's executions."""
 
-    def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None: ...
+    def prefill(self, inputs: "StepInputs") -> None:
+        """After a prefill step's forward, with its inputs (a draft model
+        runs over the same prompt tokens)."""
+        ...
+
+    def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
+        """The next drafts of the rows in ``accepted``, into the token table
+        (``DeviceTokens.set_drafts``)."""
+        ...
 
 
 @dataclass(frozen=True)
 class NgramProposer:
     speculation: Speculation
+
+    def prefill(self, inputs: "StepInputs") -> None:
+        """The n-gram proposer reads the histories, which the step wrote."""
 
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
         spec, slots = self.speculation, accepted.slots

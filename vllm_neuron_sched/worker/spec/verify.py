@@ -42,8 +42,12 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
-    from vllm_neuron_sched.worker.host_state import PromptLogprobsJob
-    from vllm_neuron_sched.worker.inputs import StepInputs
+    from vllm_neuron_sched.worker.host_state import (
+        HostRequestState,
+        PromptLogprobsJob,
+        StepUpdate,
+    )
+    from vllm_neuron_sched.worker.inputs import StepRows
     from vllm_neuron_sched.worker.steps import StepContext
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
@@ -265,13 +269,37 @@ class VerifyStep:
 
     drafts = True
     shape = BatchShape.DECODE
+    needs_host_tokens = False
 
-    def __init__(self, inputs: "StepInputs") -> None:
-        assert inputs.verify is not None
-        self.plan = inputs.verify
-        self.req_ids = inputs.req_ids
-        self.num_new_tokens = inputs.num_new_tokens
+    def __init__(
+        self, req_ids: list[str], plan: VerifyPlan, num_new_tokens: np.ndarray
+    ) -> None:
+        self.req_ids = req_ids
+        self.plan = plan
+        self.num_new_tokens = num_new_tokens
         self._forward: DeviceFuture | None = None
+
+    @classmethod
+    def build(
+        cls,
+        ctx: "StepContext",
+        host: "HostRequestState",
+        rows: "StepRows",
+        update: "StepUpdate",
+    ) -> "VerifyStep":
+        assert ctx.speculation is not None
+        plan = plan_verify(
+            host.batch,
+            rows.num_drafts,
+            update.token_slots,
+            ctx.buckets.pad_decode(len(rows.req_ids)),
+            ctx.speculation.num_tokens,
+            ctx.kv_cache.attn_groups,
+            _min_tokens_rows(host, rows.req_ids),
+        )
+        # Every row adds its newest token and its drafts, as the scheduler
+        # counts them (placeholders until the step retires).
+        return cls(rows.req_ids, plan, rows.num_scheduled.astype(np.int64))
 
     @property
     def num_table_rows(self) -> int:
@@ -320,6 +348,20 @@ class VerifyStep:
             ctx.fails_requests_alone,
         )
         return result, output
+
+
+def _min_tokens_rows(
+    host: "HostRequestState", req_ids: list[str]
+) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(row, min_tokens, stop token ids) of the rows whose request sets
+    min_tokens: the verify step masks the stops per query."""
+    rows = []
+    for row, req_id in enumerate(req_ids):
+        params = host.requests[req_id].sampling_params
+        if params is not None and params.min_tokens:
+            stops = tuple(sorted(params.all_stop_token_ids))
+            rows.append((row, params.min_tokens, stops))
+    return rows
 
 
 def _verify_forward_on_device(ctx: "StepContext", plan: VerifyPlan) -> VerifyForward:
