@@ -114,15 +114,10 @@ class StepInputs:
     # A non-decode input token is a placeholder: host state is behind the
     # device there (not expected; the runner waits and rebuilds).
     needs_host_tokens: bool
-
-    @property
-    def num_table_rows(self) -> int:
-        """Decode rows whose input id the forward reads from the token table."""
-        return 0 if self.gather is None else self.gather.num_rows
-
-    @property
-    def has_samples(self) -> bool:
-        return bool(self.is_sampled.any())
+    # Decode rows whose input id the forward reads from the token table.
+    num_table_rows: int
+    # Some row samples (else the step's last execution is its forward).
+    has_samples: bool
 
     def block_tables(self) -> dict[int, torch.Tensor]:
         """KV cache group id -> the step's block table (a row per request
@@ -174,4 +169,6 @@ def token_inputs(
         ),
         token_slots=token_slots,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
+        num_table_rows=len(decode_rows),
+        has_samples=bool(is_sampled.any()),
     )

@@ -4,8 +4,8 @@ One step, on the worker's main thread::
 
     execute_model:  flow.begin_step (retire the steps the engine has read,
                     then host state from the scheduler's decisions) ->
-                    zero new KV blocks -> inputs -> the step's kind ->
-                    step.enqueue_forward
+                    zero new KV blocks -> the step's rows -> its kind
+                    (``step_kinds``) builds it -> step.enqueue_forward
     sample_tokens:  step.enqueue_sampling -> placeholders in host state ->
                     flow.end_step (in flight, counted; the output now in
                     sync mode, a future in async mode)
@@ -18,10 +18,10 @@ goes unread.
 The parts, each with one owner's state: ``host_state`` (requests, the input
 batch, token slots, placeholders), ``async_flow`` (the steps in flight and
 their counters), ``token_table`` (the device token table and the decode-id
-gather), ``inputs`` (one step's padded tensors), ``steps`` (the step kinds:
-their device programs; ``spec/`` for the verify step and the proposers when
-the engine speculates), ``results`` (the typed device results and the output
-back), ``kv_cache``. The forward and the sampler run on the device
+gather), ``steps`` (the step kinds: each builds its inputs, from
+``inputs`` and ``layout``, and owns its device program; ``spec/`` holds the
+kinds of an engine that speculates and its proposers), ``results`` (the typed
+device results and the output back), ``kv_cache``. The forward and the sampler run on the device
 (``runtime``), in enqueue order.
 
 Ownership: an execution enqueued on the device owns every buffer it reads
