@@ -21,8 +21,8 @@ their counters), ``token_table`` (the device token table and the decode-id
 gather), ``steps`` (the step kinds: each builds its inputs, from
 ``inputs`` and ``layout``, and owns its device program; ``spec/`` holds the
 kinds of an engine that speculates and its proposers), ``results`` (the typed
-device results and the output back), ``kv_cache``. The forward and the sampler run on the device
-(``runtime``), in enqueue order.
+device results and the output back), ``kv_cache``. The forward and the
+sampler run on the device (``runtime``), in enqueue order.
 
 Ownership: an execution enqueued on the device owns every buffer it reads
 until its future resolves. The host builds each step into fresh tensors and
