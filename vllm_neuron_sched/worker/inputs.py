@@ -137,12 +137,13 @@ def token_inputs(
 ) -> StepInputs:
     """The inputs of ``rows`` at ``layout``: prompt tokens from the host,
     each decode row's one token (its newest) from the device table."""
-    tokens = layout.tokens()
     num_scheduled = layout.num_scheduled
-    token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
+    # Each row's last token: the one it samples from; a decode row's only.
+    last_token_index = layout.row_offsets + num_scheduled - 1
     decode_rows = np.flatnonzero(rows.is_decode_row)
-    last_token_index = layout.logits_indices
     gather = plan_gather(decode_rows, last_token_index, token_slots)
+    tokens = layout.tokens()
+    token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
     token_ids[np.cumsum(num_scheduled)[decode_rows] - 1] = 0
     index = torch.from_numpy(tokens.index)
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)

@@ -65,11 +65,6 @@ class Layout:
         offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
         return cls(num_scheduled, num_computed, offsets, shape.size, shape)
 
-    @property
-    def logits_indices(self) -> np.ndarray:
-        """[num_reqs] each row's last token (whose logits it samples)."""
-        return self.row_offsets + self.num_scheduled - 1
-
     def tokens(self) -> "Tokens":
         """The step's real tokens, in row order."""
         num_scheduled = self.num_scheduled

@@ -192,8 +192,9 @@ class NeuronSchedModelRunner:
         # TP consistency (get_rank_state): final token histories, digested.
         self.digest = RankDigest()
         self.flow.subscribe(self.digest)
-        if self.tp_rank == 0 and envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S > 0:
-            self.flow.subscribe(StatsLog(self.flow, time.monotonic))
+        interval_s = envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S
+        if self.tp_rank == 0 and interval_s > 0:
+            self.flow.subscribe(StatsLog(self.flow, time.monotonic, interval_s))
         # Benchmarks only (VLLM_NEURON_SCHED_TIMELINE): None = not recorded.
         self.timeline = StepTimeline.from_env()
         if self.timeline is not None:

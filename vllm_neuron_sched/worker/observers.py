@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_neuron_sched import envs
 from vllm_neuron_sched.worker.async_flow import FlowObserver, InFlightStep
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
@@ -58,16 +57,20 @@ class RankDigest(FlowObserver):
 
 
 class StatsLog(FlowObserver):
-    """Logs the flow's counters every VLLM_NEURON_SCHED_STATS_INTERVAL_S."""
+    """Logs the flow's counters every ``interval_s`` seconds
+    (VLLM_NEURON_SCHED_STATS_INTERVAL_S, read once)."""
 
-    def __init__(self, flow: "AsyncFlow", clock: Callable[[], float]) -> None:
+    def __init__(
+        self, flow: "AsyncFlow", clock: Callable[[], float], interval_s: float
+    ) -> None:
         self._flow = flow
         self._clock = clock
+        self._interval_s = interval_s
         self._logged_at = clock()
 
     def step_began(self, step: int, scheduler_output: "SchedulerOutput") -> None:
         now = self._clock()
-        if now - self._logged_at < envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S:
+        if now - self._logged_at < self._interval_s:
             return
         self._logged_at = now
         stats: dict[str, Any] = self._flow.stats()
