@@ -109,12 +109,8 @@ class HostRequestState:
         vocab_size: int,
         max_num_reqs: int,
         max_num_tokens: int,
-        speculates: bool = False,
     ) -> None:
         self.slots = TokenSlots(table, max_num_reqs)
-        # Speculative decoding: a verify row leaves 1 + drafts placeholders,
-        # of which the step fills as many as it accepted.
-        self.speculates = speculates
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -312,44 +308,40 @@ class HostRequestState:
         self, placeholders: Placeholders, output: "ModelRunnerOutput"
     ) -> None:
         """A retired step's tokens into the histories (finished requests'
-        too). A history that was cut or replaced since (preemption) keeps
+        too). A row that left ``count`` placeholders gets 1 to ``count``
+        tokens (a verify step fills as many as it accepted and drops the
+        rest). A history that was cut or replaced since (preemption) keeps
         what it has."""
         batch = self.batch
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
             history, index, count = placeholders.get(req_id, (None, 0, 0))
             if history is None or not tokens:
                 continue
-            if self.speculates:
-                # Steps retire in order and a verify step may fill fewer than
-                # its placeholders: this step's are the history's first.
-                index = _first_placeholder(history)
-                if index is None:
-                    continue
-                end = index
-                while (
-                    end < min(len(history), index + count)
-                    and history[end] == PLACEHOLDER_TOKEN_ID
-                ):
-                    end += 1
-                history[index:end] = tokens[: end - index]
-            elif index >= len(history) or history[index] != PLACEHOLDER_TOKEN_ID:
+            index = _first_placeholder(history, index)
+            if index is None:
                 continue
-            else:
-                history[index] = tokens[0]
+            end = index
+            while (
+                end < min(len(history), index + count)
+                and history[end] == PLACEHOLDER_TOKEN_ID
+            ):
+                end += 1
+            filled = tokens[: end - index]
+            history[index:end] = filled
             state = self.requests.get(req_id)
             row = batch.req_id_to_index.get(req_id)
-            if (
-                row is not None
-                and state is not None
-                and state.output_token_ids is history
-            ):
-                start = state.num_prompt_tokens + index
-                if not self.speculates:
-                    batch.token_ids_cpu[row, start] = tokens[0]
-                    continue
-                tail = history[index : index + batch.token_ids_cpu.shape[1] - start]
-                batch.token_ids_cpu[row, start : start + len(tail)] = tail
-                batch.num_tokens_no_spec[row] = state.num_prompt_tokens + len(history)
+            if row is None or state is None or state.output_token_ids is not history:
+                continue
+            start = state.num_prompt_tokens + index
+            width = batch.token_ids_cpu.shape[1]
+            if len(filled) == end - index:  # as many tokens as placeholders
+                filled = filled[: width - start]
+                batch.token_ids_cpu[row, start : start + len(filled)] = filled
+                continue
+            # Fewer (rejected drafts): the later placeholders moved back.
+            tail = history[index : index + width - start]
+            batch.token_ids_cpu[row, start : start + len(tail)] = tail
+            batch.num_tokens_no_spec[row] = state.num_prompt_tokens + len(history)
 
     # ---- prompt logprobs ----------------------------------------------------
 
@@ -400,11 +392,18 @@ class HostRequestState:
         return digest.hexdigest()
 
 
-def _first_placeholder(history: list[int]) -> int | None:
-    try:
-        return history.index(PLACEHOLDER_TOKEN_ID)
-    except ValueError:
-        return None
+def _first_placeholder(history: list[int], index: int) -> int | None:
+    """Where a retiring step's placeholders start, left at ``index``. A
+    history is its tokens, then the placeholders of its steps in flight, in
+    step order; steps retire in order, so the retiring step's are the first
+    ones. An earlier verify step that filled fewer than it left moved them
+    back, never forward: walk back from ``index`` over placeholders."""
+    index = min(index, len(history))
+    while index > 0 and history[index - 1] == PLACEHOLDER_TOKEN_ID:
+        index -= 1
+    if index < len(history) and history[index] == PLACEHOLDER_TOKEN_ID:
+        return index
+    return None
 
 
 def _resume_history(

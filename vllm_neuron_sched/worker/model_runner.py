@@ -131,7 +131,6 @@ class NeuronSchedModelRunner:
             self.model_config.get_vocab_size(),
             self.max_num_reqs,
             self.max_num_tokens,
-            speculates=self.ctx.speculation is not None,
         )
         self.flow = AsyncFlow(
             device,
