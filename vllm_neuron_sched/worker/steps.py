@@ -136,6 +136,9 @@ class StepKinds:
     prefill: type[Step]
     decode: type[Step]
     mixed: type[Step] | None
+    # Why a step that mixes cannot run, when ``mixed`` is None (the start-up
+    # check refuses such a scheduler first; this is the backstop).
+    no_mixed_reason: str = ""
 
     def of(self, shape: BatchShape) -> type[Step]:
         if shape is BatchShape.PREFILL:
@@ -144,8 +147,8 @@ class StepKinds:
             return self.decode
         if self.mixed is None:
             raise RuntimeError(
-                "speculative decoding needs steps that never mix prefill and "
-                "decode (the vllm_neuron_sched schedulers)"
+                f"a step that mixes prefill and decode cannot run: "
+                f"{self.no_mixed_reason}"
             )
         return self.mixed
 
@@ -166,6 +169,7 @@ class TokensStep:
 
     @classmethod
     def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
+        """Where this kind's rows sit in its static shape."""
         raise NotImplementedError
 
     @classmethod

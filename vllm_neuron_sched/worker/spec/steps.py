@@ -124,4 +124,10 @@ def _history_writes(
     )
 
 
-SPECULATIVE_STEPS = StepKinds(ProposingPrefillStep, VerifyStep, None)
+SPECULATIVE_STEPS = StepKinds(
+    ProposingPrefillStep,
+    VerifyStep,
+    None,
+    "speculative decoding's verify step holds decode rows only; it needs a "
+    "scheduler that never mixes them with prefill (the vllm_neuron_sched ones)",
+)
