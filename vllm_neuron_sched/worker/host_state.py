@@ -176,7 +176,7 @@ class HostRequestState:
         )
         update.scheduled_num_tokens = self._per_row(req_ids, scheduled_num_tokens.get)
         update.num_cached_prompt_tokens = self._cached_prompt_tokens(
-            req_ids, scheduler_output.scheduled_new_reqs
+            scheduler_output.scheduled_new_reqs
         )
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
@@ -241,14 +241,13 @@ class HostRequestState:
             count=len(req_ids),
         )
 
-    def _cached_prompt_tokens(
-        self, req_ids: list[str], new_reqs: list[Any]
-    ) -> np.ndarray:
-        """[num_reqs] each new request's prefix-cache hit, 0 elsewhere."""
-        hits = np.zeros(len(req_ids), np.int64)
-        row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+    def _cached_prompt_tokens(self, new_reqs: list[Any]) -> np.ndarray:
+        """[num_reqs] each new request's prefix-cache hit, 0 elsewhere (the
+        batch is condensed: its rows are the step's)."""
+        batch = self.batch
+        hits = np.zeros(batch.num_reqs, np.int64)
         for new in new_reqs:
-            hits[row_of[new.req_id]] = new.num_computed_tokens
+            hits[batch.req_id_to_index[new.req_id]] = new.num_computed_tokens
         return hits
 
     def _new_request(self, new: Any) -> CachedRequestState:

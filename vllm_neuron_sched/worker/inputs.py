@@ -142,7 +142,7 @@ def token_inputs(
     last_token_index = layout.row_offsets + num_scheduled - 1
     decode_rows = np.flatnonzero(rows.is_decode_row)
     gather = plan_gather(decode_rows, last_token_index, token_slots)
-    tokens = layout.tokens()
+    tokens = layout.tokens
     token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
     token_ids[np.cumsum(num_scheduled)[decode_rows] - 1] = 0
     index = torch.from_numpy(tokens.index)

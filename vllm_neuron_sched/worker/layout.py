@@ -17,6 +17,7 @@ still run the previous step while this one is laid out (the ownership rule).
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,8 +66,10 @@ class Layout:
         offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
         return cls(num_scheduled, num_computed, offsets, shape.size, shape)
 
+    @cached_property
     def tokens(self) -> "Tokens":
-        """The step's real tokens, in row order."""
+        """The step's real tokens, in row order (computed once: the inputs and
+        a speculating prefill step's history writes both read them)."""
         num_scheduled = self.num_scheduled
         num_tokens = int(num_scheduled.sum())
         starts = np.cumsum(num_scheduled) - num_scheduled

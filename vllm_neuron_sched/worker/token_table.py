@@ -32,10 +32,6 @@ class TableGather:
     positions: torch.Tensor  # [num_decode] int64, in the padded input ids
     slots: torch.Tensor  # [num_decode] int64
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.positions.shape[0])
-
 
 def plan_gather(
     decode_rows: np.ndarray, last_token_index: np.ndarray, token_slots: np.ndarray

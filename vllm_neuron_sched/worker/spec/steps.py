@@ -69,7 +69,7 @@ class ProposingPrefillStep(PrefillStep):
             inputs,
             inputs.is_sampled.astype(np.int64) + rows.num_drafts,
             _history_writes(
-                batch, update.num_cached_prompt_tokens, slots, layout.tokens()
+                batch, update.num_cached_prompt_tokens, slots, layout.tokens
             ),
             torch.from_numpy(rows.num_computed + num_scheduled),
         )
