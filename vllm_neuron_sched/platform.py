@@ -100,6 +100,18 @@ def check_environment(vllm_config: "VllmConfig") -> None:
         engine_prefill_shapes(vllm_config)
 
 
+def check_pipeline_stages(vllm_config: "VllmConfig") -> None:
+    """A stage holds at least one layer (vLLM splits them; with none a
+    stage has no KV cache and the engine fails deep in its start)."""
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    if stages > layers:
+        raise ValueError(
+            f"--pipeline-parallel-size {stages} is more than the model's {layers} "
+            "layers: every stage needs one"
+        )
+
+
 def check_speculation(vllm_config: "VllmConfig") -> None:
     """Start-up check of ``--speculative-config``: the n-gram proposer on the
     device, and a scheduler that never mixes prefill and decode (a verify
@@ -122,6 +134,32 @@ def check_speculation(vllm_config: "VllmConfig") -> None:
             f"prefill schedulers (--scheduler-cls {CHUNKED_PREFILL_SCHEDULER} or "
             f"{ASYNC_CHUNKED_PREFILL_SCHEDULER}); got {scheduler_cls!r}"
         )
+
+
+# vLLM's V1-runner check names what vLLM's own V1 runner cannot run.
+_V1_RUNNER_PP_ASYNC = "pipeline parallelism with async scheduling"
+
+
+def let_our_runner_run_async_pipelines() -> None:
+    """vLLM refuses async scheduling with pipeline parallel for its V1 model
+    runner (its check runs after this platform's, with no hook between). Our
+    runner takes that runner's place and runs it (docs/design.md section 14),
+    so for a configuration whose worker is ours the check drops that one
+    entry; every other entry, and every other configuration, is vLLM's."""
+    from vllm.config import VllmConfig
+
+    check = VllmConfig._get_v1_model_runner_unsupported_features
+    if getattr(check, "lets_our_runner_pipeline", False):
+        return
+
+    def unsupported(config: "VllmConfig") -> list[str]:
+        found = check(config)
+        if config.parallel_config.worker_cls == WORKER:
+            found = [feature for feature in found if feature != _V1_RUNNER_PP_ASYNC]
+        return found
+
+    unsupported.lets_our_runner_pipeline = True  # type: ignore[attr-defined]
+    VllmConfig._get_v1_model_runner_unsupported_features = unsupported  # type: ignore[method-assign]
 
 
 class NeuronSchedPlatform(CpuPlatform):
@@ -174,11 +212,19 @@ class NeuronSchedPlatform(CpuPlatform):
         user_worker = parallel_config.worker_cls != "auto"
         is_pooling = model_config is not None and model_config.runner_type == "pooling"
         runs_our_runner = parallel_config.worker_cls in ("auto", WORKER)
+        if is_pooling and parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "vllm_neuron_sched runs pooling models on vLLM's own CPU runner, "
+                "which does not run pipeline parallel "
+                "(--pipeline-parallel-size > 1): use --tensor-parallel-size or "
+                "--data-parallel-size"
+            )
         if runs_our_runner and not is_pooling and model_config is not None:
             # Our runner runs: what it does not run is refused first. It
             # speaks vLLM's V1 runner protocol, so V2 only where asked for.
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             check_config(vllm_config)
+            check_pipeline_stages(vllm_config)
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
             cache_config.user_specified_block_size = True
@@ -207,6 +253,8 @@ class NeuronSchedPlatform(CpuPlatform):
             parallel_config.worker_cls = WORKER
         if vllm_config.speculative_config is not None:
             check_speculation(vllm_config)
+        if parallel_config.worker_cls == WORKER:
+            let_our_runner_run_async_pipelines()
 
         if model_config is not None:
             key = id(vllm_config)

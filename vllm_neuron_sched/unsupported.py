@@ -72,10 +72,13 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         f"use {STOCK}",
     ),
     Unsupported(
-        "pipeline parallel (--pipeline-parallel-size > 1)",
-        lambda c: c.parallel_config.pipeline_parallel_size > 1,
-        "scale out with --tensor-parallel-size (across nodes with --nnodes) or "
-        "--data-parallel-size",
+        "speculative decoding with pipeline parallel (--speculative-config with "
+        "--pipeline-parallel-size > 1)",
+        lambda c: (
+            c.parallel_config.pipeline_parallel_size > 1
+            and c.speculative_config is not None
+        ),
+        "speculate with --tensor-parallel-size, or leave out --speculative-config",
     ),
     Unsupported(
         "context parallel (--decode-context-parallel-size or "

@@ -1,15 +1,17 @@
-"""Two nodes on loopback: TP=4 over vLLM's multiprocessing executor, async on.
+"""Two nodes on loopback: pipeline parallel across them, TP inside each
+(PP=2 x TP=2) over vLLM's multiprocessing executor, async on.
 
-Node 0 is the API server with TP ranks 0-1; node 1 runs ``serve --headless``
-with ranks 2-3. Both bind their two workers to the two cores (``0|1``), the
-way two TP=2 halves would on two machines. Greedy completions, streamed and
-not, must equal our platform at TP=1; the per-rank state RPC must reach all
-four ranks, with equal token histories and at most two steps in flight. Last,
+Node 0 is the API server with the first stage (TP ranks 0-1); node 1 runs
+``serve --headless`` with the second, which samples and holds the output
+rank. Both bind their two workers to the two cores (``0|1``), the way two
+TP=2 halves would on two machines. Greedy completions, streamed and not,
+must equal our platform at TP=1; the per-rank state RPC must reach all four
+ranks, with equal token histories and at most two steps in flight. Last,
 node 1 dies (every process on it): the API server must report an error to the
-requests in flight and exit, not hang. A rank of node 0 can be left waiting in
-a collective for a peer that is gone (vLLM reads the output rank's reply only),
-so the collectives get a timeout: the bound is that timeout, not gloo's 30
-minutes.
+requests in flight and exit, not hang. The first stage's ranks fail their
+transfer and exit; the engine, waiting for the output rank's reply from node
+1, gives up after vLLM's execute-model timeout, set to the collectives' 60 s
+(vLLM's default: 300).
 """
 
 import asyncio
@@ -37,7 +39,8 @@ from vllm_neuron_sched.testing.workloads import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-TP = 4
+TP = 2  # per stage, inside a node
+PP = 2  # stages, one per node
 NODES = 2
 ENGINE = SERVER_ENGINE
 MAX_TOKENS = SERVER_MAX_TOKENS
@@ -52,6 +55,9 @@ def nodes(
     logs: Path = tmp_path_factory.mktemp("two_nodes")
     args = [
         "--tensor-parallel-size", str(TP),
+        "--pipeline-parallel-size", str(PP),
+        # vLLM's default with pipeline stages is sync.
+        "--async-scheduling",
         "--nnodes", str(NODES),
         "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()),
@@ -62,8 +68,11 @@ def nodes(
         *engine_args(ENGINE),
     ]  # fmt: skip
     env = {
-        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(TP // NODES),
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(TP * PP // NODES),
         "VLLM_SERVER_DEV_MODE": "1",  # POST /collective_rpc
+        # The output rank (the last stage's) is on node 1: when it dies, the
+        # engine on node 0 waits for its reply this long (vLLM's default: 300).
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(COLLECTIVE_TIMEOUT_S),
     }
     with HeadlessNode(
         checkpoint_dir, [*args, "--node-rank", "1"], logs / "node1.log", env
@@ -112,7 +121,7 @@ async def test_two_nodes_equal_tp1_and_ranks_agree(
     after = await server.wait_idle()
     final = await server.rank_states()
     for states in (mid_run, final):
-        assert sorted(s["tp_rank"] for s in states) == list(range(TP)), states
+        assert sorted(s["tp_rank"] for s in states) == sorted(list(range(TP)) * PP)
         assert len({s["history_digest"] for s in states}) == 1, states
         assert len({s["finished_digest"] for s in states}) == 1, states
         assert all(s["max_in_flight_steps"] <= 2 for s in states), states

@@ -101,7 +101,18 @@ def _refusal(model: str, **engine: Any) -> str:
     [
         ({"enable_lora": True, "max_lora_rank": 8}, "LoRA adapters (--enable-lora)"),
         ({"enable_prompt_embeds": True}, "prompt embeddings (--enable-prompt-embeds)"),
-        ({"pipeline_parallel_size": 2}, "pipeline parallel"),
+        (
+            {
+                "pipeline_parallel_size": 2,
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 3,
+                    "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3,
+                },
+            },
+            "speculative decoding with pipeline parallel",
+        ),
         ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
         (
             {
@@ -260,6 +271,7 @@ def test_multimodal_models_are_refused() -> None:
     config = SimpleNamespace(
         model_config=model,
         lora_config=None,
+        speculative_config=None,
         parallel_config=SimpleNamespace(
             pipeline_parallel_size=1,
             decode_context_parallel_size=1,
@@ -291,3 +303,21 @@ def test_speculation_on_a_pooling_model_is_refused(
         EngineArgs(
             model=target, max_model_len=256, runner="pooling", speculative_config=ngram
         ).create_engine_config()
+
+
+def test_more_pipeline_stages_than_layers_are_refused(
+    checkpoints: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
+    message = _refusal(checkpoints[0], pipeline_parallel_size=4)
+    assert "--pipeline-parallel-size 4" in message
+    assert "layers" in message
+
+
+def test_pooling_with_pipeline_stages_is_refused(
+    checkpoints: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    message = _refusal(checkpoints[0], runner="pooling", pipeline_parallel_size=2)
+    assert "pooling models" in message
+    assert "--pipeline-parallel-size" in message

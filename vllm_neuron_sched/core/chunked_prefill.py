@@ -79,6 +79,13 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         self.last_step_kind = StepPlanKind.IDLE
         # vLLM scheduled nothing of the last prefill plan: decode first.
         self.prefill_declined = False
+        # Placeholders a grammar-bound request may hold when scheduled: the
+        # engine brings the grammar up to date with the oldest step in its
+        # batch queue only, which at depth 2 is the one that holds it; in a
+        # deeper queue (pipeline stages) the grammar must have every token.
+        self.max_grammar_placeholders = (
+            1 if self.vllm_config.max_concurrent_batches <= 2 else 0
+        )
 
     # --- the step ---------------------------------------------------------
 
@@ -91,7 +98,10 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             view = restricted_view(self, running, waiting)
             chunks = self._chunks_of(plan)
         elif plan.kind is StepPlanKind.DECODE:
-            view = restricted_view(self, self.decoding_requests(), [])
+            decoding = [
+                r for r in self.decoding_requests() if self.can_schedule_decode(r)
+            ]
+            view = restricted_view(self, decoding, [])
         else:
             view = restricted_view(self, [], [])
         with view, chunks:
@@ -186,11 +196,31 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         return max((r.num_computed_tokens for r in batch), default=0)
 
     def can_schedule_decode(self, request: "Request") -> bool:
-        """False when the in-flight steps already reach ``max_tokens``.
+        """The request has a token to run, and the steps in flight do not
+        reach ``max_tokens`` yet. Known up front, so no empty decode step is
+        planned, and only such requests are in the decode step's view.
 
-        The same test vLLM's scheduler applies before it schedules a running
-        request; we need it up front to avoid planning an empty decode step.
-        """
+        Its next input is still in flight when a sync scheduler runs in a
+        batch queue (pipeline stages). Without drafts each step in flight
+        holds one of its tokens (a placeholder), at any queue depth; vLLM's
+        own test assumes at most two steps in flight and would schedule past
+        ``max_tokens`` in a deeper queue. With drafts (two steps in flight:
+        speculation refuses pipeline stages) vLLM's test: a verify step
+        yields at least one token whatever it rejects. A request bound to a
+        grammar waits for the tokens its mask needs
+        (``max_grammar_placeholders``)."""
+        if (
+            request.num_tokens_with_spec + request.num_output_placeholders
+            <= request.num_computed_tokens
+        ):
+            return False
+        if (
+            request.use_structured_output
+            and request.num_output_placeholders > self.max_grammar_placeholders
+        ):
+            return False
+        if not self.num_spec_tokens:
+            return self.remaining_tokens(request) > 0
         return not (
             request.num_output_placeholders > 0
             and request.num_computed_tokens + 2 - request.num_output_placeholders

@@ -43,6 +43,9 @@ class StepRecord:
     is_prefill: dict[str, bool]
     num_running: int
     num_free_blocks: int
+    # Decoding requests the step left out although they had a token to run
+    # (not one still in flight, as a sync scheduler's in a batch queue).
+    ready_decodes: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -124,6 +127,15 @@ class FakeRunner:
                 pooled.append(None)
                 if is_done:
                     self.last_sampled.append(req_id)
+        record.ready_decodes = {
+            r.request_id
+            for r in scheduler.running
+            if r.request_id not in so.num_scheduled_tokens
+            and not r.is_prefill_chunk
+            and r.num_tokens_with_spec + r.num_output_placeholders
+            > r.num_computed_tokens
+            and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+        }
         block_pool = scheduler.kv_cache_manager.block_pool
         record.num_free_blocks = block_pool.get_num_free_blocks()
         self.steps.append(record)

@@ -129,6 +129,8 @@ def toy_runner(
         ),
         speculative_config=None,
         num_speculative_tokens=0,
+        # vLLM's batch queue depth (VllmConfig.max_concurrent_batches).
+        max_concurrent_batches=2 if is_async else 1,
         model_config=SimpleNamespace(
             max_model_len=MAX_LEN,
             get_vocab_size=lambda: VOCAB,

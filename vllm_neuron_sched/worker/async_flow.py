@@ -7,9 +7,10 @@ decode rows take their input ids. Only prompt tokens come from the host.
 
 Host state (``host_state.py``) learns the tokens when a step *retires*: its
 output fills the request histories' placeholders at the start of a later step,
-once the engine has read that output (the batch queue is two deep, so it has
-by then). Each step ends in one of three states, counted by *structure*, not
-by timing, so the counts are the same on every backend however fast its
+once the engine has read that output (the batch queue is two deep with async
+scheduling, as deep as the pipeline with pipeline parallel: by then it
+has). Each step ends in one of three states, counted by *structure*, not by
+timing, so the counts are the same on every backend however fast its
 device is:
 
 - ``ASYNC``: the step enqueued work, its decode rows took their input ids
@@ -28,7 +29,10 @@ device is:
 materialized (the executor's output thread, or the engine thread in-process,
 called ``get_output``); on the other TP ranks, whose outputs nobody reads,
 the batch queue's depth bounds it: when step N arrives, the engine has
-processed every step up to N - depth.
+processed every step up to N - depth. So up to depth - 1 steps stay in flight
+at the start of a step; a step whose sampling reads token histories
+(penalties, bad words) retires all but the newest first, since the table
+holds only each request's newest token (``settle_histories``).
 
 Threads: the worker's main thread owns this object. The device thread only
 runs the executions the main thread enqueues. The executor's output thread
@@ -47,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vllm_neuron_sched.core.step_view import BatchShape
+from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -119,8 +124,10 @@ class FlowObserver:
 
 class AsyncFlow:
     """``host``: where a retired step's tokens go. ``is_output_rank``: the
-    engine reads this worker's outputs (TP rank 0). ``queue_depth``: steps the
-    engine keeps in flight (2 with async scheduling, 1 without)."""
+    engine reads this worker's outputs (TP rank 0 of the last stage).
+    ``queue_depth``: steps the engine keeps in flight (vLLM's
+    ``max_concurrent_batches`` with async scheduling: 2, or the pipeline's
+    stages; 1 without)."""
 
     def __init__(
         self,
@@ -172,12 +179,14 @@ class AsyncFlow:
         self._needed_unread = False
         for observer in self._observers:
             observer.step_began(self.step, scheduler_output)
-        if (finished := scheduler_output.finished_req_ids) and self.in_flight:
-            # The step before this one was scheduled before they stopped.
-            previous = self.in_flight[-1]
-            if previous.number == self.step - 1:
-                self.dead_tokens += len(finished & previous.placeholders.keys())
-        self.retire(keep_newest=True)
+        if finished := scheduler_output.finished_req_ids:
+            # The steps after the one whose output stopped them (with a full
+            # batch queue, the depth - 1 before this one) were scheduled
+            # before the engine knew.
+            for step in self.in_flight:
+                if step.number > self.step - self.queue_depth:
+                    self.dead_tokens += len(finished & step.placeholders.keys())
+        self.retire(keep=self.queue_depth - 1)
         update = self.host.update(scheduler_output)
         for req_id, history in update.finished:
             for observer in self._observers:
@@ -198,8 +207,8 @@ class AsyncFlow:
         if self.queue_depth > 1:
             output = AsyncStepOutput(self, step)
         else:
-            output = self.read(step)
-            self.retire()
+            self.retire(keep=1)
+            output = self._retire_oldest()
         if self._needed_unread:
             state = StepState.SYNC_FALLBACK
             self.sync_fallback_steps += 1
@@ -214,17 +223,27 @@ class AsyncFlow:
             observer.step_ended(self.step, state)
         return output
 
-    def retire(self, keep_newest: bool = False) -> None:
-        """Applies steps to host state, oldest first. Steps before the newest
-        are read even if the engine has not read them (a host wait; with the
-        batch queue it always has); with ``keep_newest`` the newest only once
-        the engine has read it, so two steps are in flight as the batch queue
-        has them."""
+    def retire(self, keep: int = 0) -> None:
+        """Applies steps to host state, oldest first, until at most ``keep``
+        are left; those only once the engine has read them. A step read
+        before the engine has is a host wait (with ``keep = depth - 1`` the
+        batch queue guarantees it has), so as many steps stay in flight as
+        the batch queue has."""
         while self.in_flight:
-            step = self.in_flight[0]
-            if keep_newest and len(self.in_flight) == 1 and not self.is_read(step):
+            if len(self.in_flight) <= keep and not self.is_read(self.in_flight[0]):
                 return
             self._retire_oldest()
+
+    def settle_histories(self, histories: "list[list[int]]") -> None:
+        """Before a sampling that reads token histories (penalties, bad
+        words: ``histories`` non-empty): no history may end in two
+        placeholders, since the sampling takes only the newest token from
+        the table. Only a batch queue deeper than two leaves them so."""
+        if len(self.in_flight) > 1 and any(
+            len(history) > 1 and history[-2] == PLACEHOLDER_TOKEN_ID
+            for history in histories
+        ):
+            self.retire(keep=1)
 
     def retire_ready(self) -> None:
         """Applies the steps whose device results are there already: in a
@@ -259,13 +278,14 @@ class AsyncFlow:
         finally:
             self._report_wait(start)
 
-    def _retire_oldest(self, is_needed: bool = True) -> None:
+    def _retire_oldest(self, is_needed: bool = True) -> "ModelRunnerOutput":
         step = self.in_flight[0]
         output = self.read(step, is_needed)
         self.in_flight.popleft()
         self.host.fill_placeholders(step.placeholders, output)
         for observer in self._observers:
             observer.retired(step)
+        return output
 
     def stats(self) -> dict[str, int]:
         return {

@@ -12,6 +12,7 @@ from vllm.forward_context import set_forward_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.sequence import IntermediateTensors
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -39,14 +40,23 @@ def run_model(
     attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]",
     slot_mapping: dict[str, torch.Tensor],
     num_tokens_padded: int,
-) -> torch.Tensor:
+    intermediate_tensors: "IntermediateTensors | None" = None,
+) -> "torch.Tensor | IntermediateTensors":
     """Device side: ``model`` (the target or a draft) at the step's padded
     shape, its attention metadata built here (section 11: never on the
-    host)."""
+    host). A pipeline stage that is not the first starts from the previous
+    stage's ``intermediate_tensors``; one that is not the last returns its
+    own instead of hidden states."""
     with set_forward_context(
         build_attention_metadata(attn_inputs),
         vllm_config,
         num_tokens=num_tokens_padded,
         slot_mapping=slot_mapping,
     ):
-        return model(input_ids=input_ids, positions=positions)
+        if intermediate_tensors is None:
+            return model(input_ids=input_ids, positions=positions)
+        return model(
+            input_ids=input_ids,
+            positions=positions,
+            intermediate_tensors=intermediate_tensors,
+        )

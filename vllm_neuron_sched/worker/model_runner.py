@@ -34,6 +34,8 @@ it as placeholders at enqueue and are filled in here when their step retires,
 never by the async output thread.
 """
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +68,7 @@ from vllm_neuron_sched.worker.host_state import (
 from vllm_neuron_sched.worker.inputs import StepRows
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
+from vllm_neuron_sched.worker.pipeline import PipelineStage, stage_kinds
 from vllm_neuron_sched.worker.results import DraftedOutput
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
@@ -81,12 +84,25 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-    from vllm_neuron_sched.runtime import Device
+    from vllm_neuron_sched.runtime import Device, DeviceFuture
 
 logger = init_logger(__name__)
 
 # A device that has not drained by then is hung; the process exits regardless.
 _SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _stop_rank_if_failed(result: "DeviceFuture[Any]") -> None:
+    """A rank whose outputs the engine never reads (not the output rank)
+    would keep a failed step to itself, and its peers would wait for it in
+    a transfer or a collective: it exits, the cause in its log, and the
+    executor, which watches its workers, stops the engine."""
+    error = result.exception()
+    if error is None:
+        return
+    logger.error("A device execution of this rank failed; exiting: %s", error)
+    logging.shutdown()
+    os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -100,8 +116,9 @@ class _PendingStep:
 
 class NeuronSchedModelRunner:
     """``tp_group``: vLLM's TP group of this worker (its rank and world size
-    are read). ``device``: the runtime device every execution is enqueued
-    on. ``torch_device``: where tensors live (the CPU here)."""
+    are read); ``pp_group``: its pipeline group, with more than one stage.
+    ``device``: the runtime device every execution is enqueued on.
+    ``torch_device``: where tensors live (the CPU here)."""
 
     def __init__(
         self,
@@ -109,6 +126,7 @@ class NeuronSchedModelRunner:
         tp_group: "GroupCoordinator",
         device: "Device",
         torch_device: torch.device | None = None,
+        pp_group: "GroupCoordinator | None" = None,
     ) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -118,11 +136,23 @@ class NeuronSchedModelRunner:
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.tp_rank = tp_group.rank_in_group
         self.device = device
-        self.ctx = self._step_context(tp_group, torch_device or torch.device("cpu"))
+        stage = (
+            PipelineStage(pp_group)
+            if pp_group is not None and pp_group.world_size > 1
+            else None
+        )
+        self.ctx = self._step_context(
+            tp_group, torch_device or torch.device("cpu"), stage
+        )
         self.kv_cache = self.ctx.kv_cache
         self.step_kinds = (
             PLAIN_STEPS if self.ctx.speculation is None else SPECULATIVE_STEPS
         )
+        if stage is not None:
+            # The start-up check refuses speculation with pipeline stages.
+            self.step_kinds = stage_kinds(self.step_kinds, stage)
+        # The engine reads the outputs of TP rank 0 of the last stage.
+        self.is_output_rank = self.tp_rank == 0 and (stage is None or stage.is_last)
         # The newest sampling step's output, whose drafts the scheduler may
         # ask for (``take_draft_token_ids``).
         self._drafted: Materializer[ModelRunnerOutput] | None = None
@@ -135,15 +165,24 @@ class NeuronSchedModelRunner:
         self.flow = AsyncFlow(
             device,
             self.host,
-            is_output_rank=self.tp_rank == 0,
-            queue_depth=2 if self.is_async else 1,
+            is_output_rank=self.is_output_rank,
+            queue_depth=self._queue_depth(),
         )
         self._subscribe_observers()
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingStep | None = None
 
+    def _queue_depth(self) -> int:
+        """The engine's batch queue with async scheduling (vLLM's: 2, or the
+        pipeline's stages). In sync mode each step is read before the next,
+        whatever the queue (with pipeline stages, as deep as the pipeline)."""
+        return self.vllm_config.max_concurrent_batches if self.is_async else 1
+
     def _step_context(
-        self, tp_group: "GroupCoordinator", torch_device: torch.device
+        self,
+        tp_group: "GroupCoordinator",
+        torch_device: torch.device,
+        stage: PipelineStage | None,
     ) -> StepContext:
         vllm_config = self.vllm_config
         buckets = Buckets.from_limits(
@@ -176,15 +215,18 @@ class NeuronSchedModelRunner:
             buckets=buckets,
             kv_cache=KVCache(vllm_config, torch_device, self.device),
             # Our schedulers finish a failed step's requests and serve the
-            # others. Under any other scheduler, and with TP ranks (a failure
-            # in a collective means a peer is gone, and ranks cannot know
-            # they failed alike), a device failure stops the engine.
+            # others. Under any other scheduler, and with TP ranks or
+            # pipeline stages (a failure in a collective or a transfer means
+            # a peer is gone, and ranks cannot know they failed alike), a
+            # device failure stops the engine.
             fails_requests_alone=tp_group.world_size == 1
+            and stage is None
             and finishes_failed_requests(
                 getattr(vllm_config.scheduler_config, "scheduler_cls", None)
             ),
             speculation=spec,
             proposer=proposer,
+            stage=stage,
         )
 
     def _subscribe_observers(self) -> None:
@@ -192,7 +234,7 @@ class NeuronSchedModelRunner:
         self.digest = RankDigest()
         self.flow.subscribe(self.digest)
         interval_s = envs.VLLM_NEURON_SCHED_STATS_INTERVAL_S
-        if self.tp_rank == 0 and interval_s > 0:
+        if self.is_output_rank and interval_s > 0:
             self.flow.subscribe(StatsLog(self.flow, time.monotonic, interval_s))
         # Benchmarks only (VLLM_NEURON_SCHED_TIMELINE): None = not recorded.
         self.timeline = StepTimeline.from_env()
@@ -279,7 +321,7 @@ class NeuronSchedModelRunner:
         nothing); otherwise the drafts stay on the device and the scheduler
         only counts them. Only the output rank answers."""
         output, self._drafted = self._drafted, None
-        if output is None or self.tp_rank != 0:
+        if output is None or not self.is_output_rank:
             return None
         step_output = output.get()
         if not isinstance(step_output, DraftedOutput):
@@ -361,9 +403,11 @@ class NeuronSchedModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self.flow.host_section("sample_tokens"):
             step = pending.step
+            metadata = self.host.batch.sampling_metadata
+            self.flow.settle_histories(metadata.output_token_ids)
             result, output = step.enqueue_sampling(
                 self.ctx,
-                self.host.batch.sampling_metadata,
+                metadata,
                 None
                 if grammar_output is None
                 else (pending.scheduler_output, grammar_output),
@@ -373,6 +417,8 @@ class NeuronSchedModelRunner:
             # as they were (at enqueue, or the snapshot).
             placeholders = self.host.add_placeholders(step.req_ids, step.num_new_tokens)
             in_flight = InFlightStep(self.flow.step, result, output, placeholders)
+            if not self.is_output_rank:
+                result.add_done_callback(_stop_rank_if_failed)
             step_output = self.flow.end_step(in_flight, step.shape, step.num_table_rows)
             if step.drafts:
                 self._drafted = output
@@ -400,12 +446,24 @@ class NeuronSchedModelRunner:
 
     def _dummy_forward(self, num_tokens: int) -> None:
         models = [self.model] + ([] if self.draft is None else [self.draft.model])
+        stage = self.ctx.stage
         with (
             torch.inference_mode(),
             set_forward_context(None, self.vllm_config, num_tokens=num_tokens),
         ):
             for model in models:
+                kwargs: dict[str, Any] = {}
+                if stage is not None and not stage.is_first:
+                    # Zeros at the shape: compiling needs no peer.
+                    kwargs["intermediate_tensors"] = (
+                        model.make_empty_intermediate_tensors(
+                            num_tokens,
+                            next(model.parameters()).dtype,
+                            torch.device("cpu"),
+                        )
+                    )
                 model(
                     input_ids=torch.zeros(num_tokens, dtype=torch.int32),
                     positions=torch.zeros(num_tokens, dtype=torch.int64),
+                    **kwargs,
                 )

@@ -36,6 +36,7 @@ from vllm_neuron_sched.worker.sampling import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.sequence import IntermediateTensors
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
         StepUpdate,
     )
     from vllm_neuron_sched.worker.kv_cache import KVCache
+    from vllm_neuron_sched.worker.pipeline import PipelineStage
     from vllm_neuron_sched.worker.spec.config import Speculation
     from vllm_neuron_sched.worker.spec.proposer import Proposer
     from vllm_neuron_sched.worker.token_table import DeviceTokens
@@ -72,6 +74,8 @@ class StepContext:
     # Speculative decoding: its settings and what proposes the drafts.
     speculation: "Speculation | None" = None
     proposer: "Proposer | None" = None
+    # Pipeline parallel: this rank's stage (None: one stage).
+    stage: "PipelineStage | None" = None
     model: Any = None
 
     @property
@@ -257,7 +261,13 @@ class TokensStep:
                 return None
             return ctx.model.compute_logits(hidden_states[inputs.logits_indices])
 
-    def run_model_on_device(self, ctx: StepContext) -> torch.Tensor:
+    def run_model_on_device(self, ctx: StepContext) -> Any:
+        """Hidden states, or a pipeline stage's intermediate tensors."""
+        return self.run_model_with(ctx, None)
+
+    def run_model_with(
+        self, ctx: StepContext, intermediate_tensors: "IntermediateTensors | None"
+    ) -> Any:
         inputs = self.inputs
         return run_model(
             ctx.model,
@@ -267,6 +277,7 @@ class TokensStep:
             inputs.attn_inputs,
             inputs.slot_mapping,
             inputs.num_tokens_padded,
+            intermediate_tensors,
         )
 
     def sample_on_device(

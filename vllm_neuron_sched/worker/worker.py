@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.parallel_state import get_tp_group
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.worker import cpu_worker
@@ -39,15 +39,21 @@ class NeuronSchedWorker(CPUWorker):
             return
 
         def our_runner(vllm_config: Any, device: torch.device) -> Any:
-            tp_group = get_tp_group()  # made by the set-up, before this call
+            # Made by the set-up, before this call.
+            tp_group, pp_group = get_tp_group(), get_pp_group()
             label = f"tp{tp_group.rank_in_group}"
+            if pp_group.world_size > 1:
+                label = f"pp{pp_group.rank_in_group}{label}"
             return NeuronSchedModelRunner(
-                vllm_config, tp_group, make_device(label=label), device
+                vllm_config, tp_group, make_device(label=label), device, pp_group
             )
 
         with _runner_class(our_runner):
             super().init_device()
-        if self.model_runner.tp_rank == 0:
+        if self.model_runner.tp_rank == 0 and get_pp_group().is_first_rank:
+            # Rank 0, on the API server's node (with pipeline stages across
+            # nodes the output rank is on the last): every rank counts the
+            # same steps.
             # data_parallel_index: the replica, also for dense models, whose
             # data_parallel_rank vLLM resets to 0 in every engine core.
             self._counters = CounterPublisher.from_env(

@@ -7,7 +7,10 @@ must fit one of them.
 The same workload (arrivals, EOS and stop tokens at random output indices,
 max_tokens, aborts) runs through ``run_sync`` with ``ChunkedPrefillScheduler``
 and through ``run_batch_queue`` with ``AsyncChunkedPrefillScheduler``. Both runs
-must keep the chunked-prefill invariants and deliver the same tokens.
+must keep the chunked-prefill invariants and deliver the same tokens. With
+pipeline stages (drawn: 1, 2 or 4) both schedulers run the batch queue at the
+depth vLLM picks for them: the stages' number, and at least 2 with async
+scheduling, so the async scheduler runs up to three steps ahead.
 
 With speculative decoding (``test_speculative_steps_agree``) decode rows
 verify drafts and accept a random number of them (a pure function of the
@@ -95,6 +98,17 @@ class Workload:
     # draft model proposes (its KV reaches K past the verify step).
     num_spec_tokens: int = 0
     draft_model: bool = False
+    # Pipeline stages: the batch queue's depth vLLM picks for them, for both
+    # schedulers (async: 2 with one stage; sync: no queue with one stage).
+    pipeline_stages: int = 1
+
+    @property
+    def sync_depth(self) -> int:
+        return self.pipeline_stages
+
+    @property
+    def async_depth(self) -> int:
+        return max(2, self.pipeline_stages)
 
     def forced(self) -> dict[tuple[str, int], int]:
         forced = {}
@@ -196,6 +210,8 @@ def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
     largest += (2 + draft_model) * num_spec_tokens
     num_blocks = cdiv(largest, BLOCK_SIZE) + 1 + extra_blocks
     tkv_limit = draw(st.just(0) | st.integers(largest, 2 * largest))
+    # Speculative decoding refuses pipeline stages.
+    stages = 1 if speculative else draw(st.sampled_from([1, 1, 2, 4]))
     shapes = draw(st.sampled_from(["", f"1x{chunk_size}", "random"]))
     if shapes == "random":
         # A row holds a one-token rest padded with placeholder drafts.
@@ -217,6 +233,7 @@ def workloads(draw: st.DrawFn, speculative: bool = False) -> Workload:
         shapes,
         num_spec_tokens,
         draft_model,
+        stages,
     )
 
 
@@ -250,8 +267,11 @@ def run_workload(
         draft_model=workload.draft_model,
     )
     runner = CheckingRunner(workload.forced(), workload.num_spec_tokens)
-    loop = run_batch_queue if is_async else run_sync
-    return loop(scheduler, runner, Events(workload)), runner, scheduler
+    depth = workload.async_depth if is_async else workload.sync_depth
+    events = Events(workload)
+    if depth == 1:
+        return run_sync(scheduler, runner, events), runner, scheduler
+    return run_batch_queue(scheduler, runner, events, depth), runner, scheduler
 
 
 def check_invariants(
@@ -276,7 +296,8 @@ def check_invariants(
         assert step.num_free_blocks <= num_usable_blocks, f"double free at {where}"
         assert not so.scheduled_cached_reqs.resumed_req_ids, f"preempted at {where}"
         # Async: the step before may still hold its drafts unretired.
-        depth = 2 if isinstance(scheduler, AsyncChunkedPrefillScheduler) else 1
+        is_async = isinstance(scheduler, AsyncChunkedPrefillScheduler)
+        depth = workload.async_depth if is_async else workload.sync_depth
         lookahead = depth * workload.num_spec_tokens
         for req_id, (start, num_tokens) in step.scheduled.items():
             spec = specs[req_id]
@@ -289,7 +310,13 @@ def check_invariants(
     assert not runner.overdrawn, (
         f"(step, request, blocks, reserved): {runner.overdrawn}"
     )
-    violations = interleaving_violations([step.is_prefill for step in runner.steps])
+    # A prefill right after a prefill while a decode could run (a sync
+    # scheduler's decodes in a batch queue wait for their outputs).
+    violations = [
+        i
+        for i in interleaving_violations([step.is_prefill for step in runner.steps])
+        if runner.steps[i].ready_decodes
+    ]
     assert violations == [], f"prefill steps {violations} follow a prefill"
     block_pool = scheduler.kv_cache_manager.block_pool
     assert block_pool.get_num_free_blocks() == num_usable_blocks, "blocks leaked"
