@@ -68,7 +68,11 @@ from vllm_neuron_sched.worker.host_state import (
 from vllm_neuron_sched.worker.inputs import StepRows
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
-from vllm_neuron_sched.worker.pipeline import PipelineStage, stage_kinds
+from vllm_neuron_sched.worker.pipeline import (
+    PipelineStage,
+    empty_hidden,
+    stage_kinds,
+)
 from vllm_neuron_sched.worker.results import DraftedOutput
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
@@ -455,13 +459,7 @@ class NeuronSchedModelRunner:
                 kwargs: dict[str, Any] = {}
                 if stage is not None and not stage.is_first:
                     # Zeros at the shape: compiling needs no peer.
-                    kwargs["intermediate_tensors"] = (
-                        model.make_empty_intermediate_tensors(
-                            num_tokens,
-                            next(model.parameters()).dtype,
-                            torch.device("cpu"),
-                        )
-                    )
+                    kwargs["intermediate_tensors"] = empty_hidden(model, num_tokens)
                 model(
                     input_ids=torch.zeros(num_tokens, dtype=torch.int32),
                     positions=torch.zeros(num_tokens, dtype=torch.int64),

@@ -48,16 +48,14 @@ class PipelineStage:
         return self.group.is_last_rank
 
     def receive_hidden(self, model: Any, num_tokens: int) -> IntermediateTensors:
-        """Device side: the previous stage's tensors, at the step's shape."""
-        empty = model.make_empty_intermediate_tensors(
-            num_tokens, self._dtype(model), torch.device("cpu")
-        )
-        return IntermediateTensors(
-            {
-                name: self.group.recv(tensor.shape, tensor.dtype)
-                for name, tensor in sorted(empty.tensors.items())
-            }
-        )
+        """Device side: the previous stage's tensors, received into buffers
+        of the step's shape (one allocation, no metadata)."""
+        received = empty_hidden(model, num_tokens)
+        for _, tensor in sorted(received.tensors.items()):
+            torch.distributed.recv(
+                tensor, self.group.prev_rank, group=self.group.device_group
+            )
+        return received
 
     def send_hidden(self, tensors: IntermediateTensors) -> None:
         """Device side: this stage's tensors to the next (blocking: the next
@@ -70,9 +68,11 @@ class PipelineStage:
         (``tokens``: the last stage's, or a buffer of their shape)."""
         return self.group.broadcast(tokens, src=self.group.world_size - 1)
 
-    @staticmethod
-    def _dtype(model: Any) -> torch.dtype:
-        return next(model.parameters()).dtype
+
+def empty_hidden(model: Any, num_tokens: int) -> IntermediateTensors:
+    """A stage's intermediate tensors at ``num_tokens``, zeros."""
+    dtype = next(model.parameters()).dtype
+    return model.make_empty_intermediate_tensors(num_tokens, dtype, torch.device("cpu"))
 
 
 class ReceivingStage(TokensStep):
