@@ -79,13 +79,11 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         self.last_step_kind = StepPlanKind.IDLE
         # vLLM scheduled nothing of the last prefill plan: decode first.
         self.prefill_declined = False
-        # Placeholders a grammar-bound request may hold when scheduled: the
-        # engine brings the grammar up to date with the oldest step in its
-        # batch queue only, which at depth 2 is the one that holds it; in a
-        # deeper queue (pipeline stages) the grammar must have every token.
-        self.max_grammar_placeholders = (
-            1 if self.vllm_config.max_concurrent_batches <= 2 else 0
-        )
+        # The engine brings a grammar up to date with the oldest step in its
+        # batch queue only: at depth 2 that is the step holding the request's
+        # token, in a deeper queue (pipeline stages) it may not be, so there a
+        # grammar-bound request waits for its tokens.
+        self.grammar_waits_for_tokens = self.vllm_config.max_concurrent_batches > 2
 
     # --- the step ---------------------------------------------------------
 
@@ -207,16 +205,17 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
         ``max_tokens`` in a deeper queue. With drafts (two steps in flight:
         speculation refuses pipeline stages) vLLM's test: a verify step
         yields at least one token whatever it rejects. A request bound to a
-        grammar waits for the tokens its mask needs
-        (``max_grammar_placeholders``)."""
+        grammar waits for its tokens in a queue deeper than two
+        (``grammar_waits_for_tokens``)."""
         if (
             request.num_tokens_with_spec + request.num_output_placeholders
             <= request.num_computed_tokens
         ):
             return False
         if (
-            request.use_structured_output
-            and request.num_output_placeholders > self.max_grammar_placeholders
+            self.grammar_waits_for_tokens
+            and request.use_structured_output
+            and request.num_output_placeholders > 0
         ):
             return False
         if not self.num_spec_tokens:
