@@ -7,6 +7,7 @@ never as wrong tokens, and without a hang. Bad input is refused at the
 boundary while the engine keeps serving the requests in flight.
 """
 
+import gc
 import random
 
 import pytest
@@ -107,6 +108,10 @@ def test_fault_in_a_first_chunk_reaches_llm_generate(checkpoint_dir: str) -> Non
 @pytest.fixture(scope="module")
 def stepper(checkpoint_dir: str, monkeypatch_module) -> EngineStepper:
     monkeypatch_module.setenv("VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT", "200")
+    # The front end refuses what no engine alive in this process could run:
+    # an earlier module's engine, shut down but not yet collected, would
+    # take the request (and finish it with an error) in this one's place.
+    gc.collect()
     engine = EngineStepper(checkpoint_dir, async_scheduling=True, eos_token_id=EOS)
     yield engine
     engine.shutdown()

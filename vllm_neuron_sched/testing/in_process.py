@@ -46,5 +46,20 @@ def in_process_llm(model: str, **engine_kwargs: Any) -> Iterator[Any]:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
+        _unpin_executor(llm)
         del llm
         gc.collect()
+
+
+def _unpin_executor(llm: Any) -> None:
+    """vLLM's multiprocessing executor registers ``weakref.finalize(self,
+    self.shutdown)``: the bound method keeps the executor, and with it its
+    ``VllmConfig``, alive until the process exits. Shut down, it is dropped,
+    or the platform would go on counting its engine among those alive when
+    it validates later engines' requests."""
+    engine_core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    finalizer = getattr(
+        getattr(engine_core, "model_executor", None), "_finalizer", None
+    )
+    if finalizer is not None:
+        finalizer.detach()
