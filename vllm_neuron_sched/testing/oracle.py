@@ -244,17 +244,15 @@ def _start(spec: dict[str, Any], env: dict[str, str] | None, timeout_s: float) -
 
 
 def _run(spec: dict[str, Any]) -> Any:
-    if "runs" in spec:
-        from vllm_neuron_sched.testing.in_process import in_process_llm
+    """Each engine's core runs in the child itself (``in_process_llm``): one
+    process per child to start, not two."""
+    from vllm_neuron_sched.testing.in_process import in_process_llm
 
-        results = []
-        for run in spec["runs"]:
-            with in_process_llm(run["model"], **run["engine_kwargs"]) as llm:
-                results.append(_generate_rounds(llm, run))
-        return results
-    from vllm import LLM
-
-    return _generate_rounds(LLM(model=spec["model"], **spec["engine_kwargs"]), spec)
+    results = []
+    for run in spec.get("runs", [spec]):
+        with in_process_llm(run["model"], **run["engine_kwargs"]) as llm:
+            results.append(_generate_rounds(llm, run))
+    return results if "runs" in spec else results[0]
 
 
 def embed(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
