@@ -26,6 +26,9 @@ NUM_DECODES = 12
         "benchmarks.bench_serve",
         "benchmarks.serve_tp",
         "benchmarks.runtime_overhead",
+        "benchmarks.pipeline",
+        "benchmarks.speculative",
+        "benchmarks.host_step",
     ],
 )
 def test_benchmark_modules_import(module: str) -> None:
