@@ -10,6 +10,7 @@ stock.
 """
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -364,6 +365,27 @@ def test_every_pair_of_request_features_equals_stock(
         assert_logprobs_close(
             record["prompt_logprobs"], theirs["prompt_logprobs"], TOLERANCE
         )
+
+
+def test_structured_request_whose_prompt_rest_is_one_token_under_speculation(
+    engines: Callable[[str], Any],
+) -> None:
+    """The same prompt twice, alone: the second time its cached prefix leaves
+    one token, which vLLM pads with placeholder drafts (and masks for them)
+    when it speculates; the prefill step runs that token and samples under
+    its grammar, as the first time."""
+    llm = engines("async_ngram")
+    prompt = token_prompts([2 * BLOCK + 1], stride=3, salt=5)
+    regex = "(ka|ri|to|su|me)+"
+    params = [
+        {"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"regex": regex}}
+    ]
+    first, again = (generate(llm, prompt, params)[0] for _ in range(2))
+    assert first["finish_reason"] in ("stop", "length"), first
+    text = llm.get_tokenizer().decode(first["token_ids"], skip_special_tokens=True)
+    assert re.fullmatch(regex, text), text
+    assert again["token_ids"] == first["token_ids"]
+    assert again["finish_reason"] == first["finish_reason"]
 
 
 def test_speculation_refuses_what_it_cannot_run_and_seeds_reproduce(

@@ -26,10 +26,10 @@ from vllm_neuron_sched.worker.steps import StepKinds, TokensStep
 
 if TYPE_CHECKING:
     from vllm.distributed.parallel_state import GroupCoordinator
-    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
 
     from vllm_neuron_sched.worker.host_state import PromptLogprobsJob
+    from vllm_neuron_sched.worker.sampling import StepMasks
     from vllm_neuron_sched.worker.steps import StepContext
 
 
@@ -108,7 +108,7 @@ class SendingStage(TokensStep):
         logits: None,
         metadata: "SamplingMetadata",
         repairs: list[tuple[int, int]],
-        grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+        grammar: "StepMasks | None",
     ) -> Sampled:
         stage = ctx.stage
         assert stage is not None
@@ -128,7 +128,7 @@ class SamplingStage(TokensStep):
         logits: torch.Tensor,
         metadata: "SamplingMetadata",
         repairs: list[tuple[int, int]],
-        grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+        grammar: "StepMasks | None",
     ) -> Sampled:
         stage = ctx.stage
         assert stage is not None

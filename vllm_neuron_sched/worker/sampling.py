@@ -8,7 +8,7 @@ samples; an inline device samples at enqueue and reads the batch as it is.
 
 import copy
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,7 @@ def sample_on_device(
     write_slots: torch.Tensor,
     discarded_rows: list[int],
     repairs: list[tuple[int, int]],
-    grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+    grammar: "StepMasks | None",
 ) -> Sampled:
     """Runs on the device thread. Samples, writes each sampling row's token
     into the device token table (``write_slots``; non-sampling rows point at
@@ -119,9 +119,8 @@ def sample_on_device(
 
     with torch.inference_mode():
         if grammar is not None:
-            scheduler_output, grammar_output, req_ids = grammar
-            rows = SimpleNamespace(req_ids=req_ids)
-            apply_grammar_bitmask(scheduler_output, grammar_output, rows, logits)
+            rows = SimpleNamespace(req_ids=grammar.req_ids)
+            apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
         if repairs:
             # Histories end in the previous token, still a placeholder on the
             # host: take it from the table (copies: the lists may be live).
@@ -173,12 +172,34 @@ def prompt_logprobs_on_device(
     buffer.selected_token_ranks[chunk].copy_(ranks)
 
 
+@dataclass(frozen=True)
+class StepMasks:
+    """A sampling step's own grammar masks, one per structured request: the
+    mask for the token it samples, in vLLM's ``grammar_output`` order."""
+
+    grammar_output: "GrammarOutput"
+    req_ids: list[str]  # the step's rows, in order
+
+
+# What vLLM's apply_grammar_bitmask reads of a scheduler output: a sampling
+# step runs no drafts, so each structured request has one logits row.
+_NO_DRAFTS = SimpleNamespace(scheduled_spec_decode_tokens={})
+
+
 def own_masks(
     scheduler_output: "SchedulerOutput",
     grammar_output: "GrammarOutput",
     req_ids: Sequence[str],
-) -> "tuple[SchedulerOutput, GrammarOutput, list[str]]":
-    """The grammar's masks as this step's own copy: the scheduler refills
-    its mask buffer for the next step while this one may still sample."""
-    own = replace(grammar_output, grammar_bitmask=grammar_output.grammar_bitmask.copy())
-    return scheduler_output, own, list(req_ids)
+) -> StepMasks:
+    """Host side, at enqueue. vLLM sends ``1 + drafts`` masks per structured
+    request; the only drafts a sampling step (not a verify step) is
+    scheduled are the placeholders vLLM pads a one-token prompt rest with
+    (a prefix-cache hit) under speculation, which the step does not run: it
+    samples once, under the first mask. A copy: the scheduler refills its
+    mask buffer for the next step while this one may still sample, and the
+    execution reads nothing of the live scheduler output."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    ids = grammar_output.structured_output_request_ids
+    firsts = np.cumsum([0] + [1 + len(drafts.get(r, ())) for r in ids[:-1]])
+    masks = grammar_output.grammar_bitmask[firsts]  # a copy
+    return StepMasks(replace(grammar_output, grammar_bitmask=masks), list(req_ids))

@@ -27,6 +27,7 @@ from vllm_neuron_sched.worker.inputs import StepInputs, StepRows, token_inputs
 from vllm_neuron_sched.worker.layout import Layout
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
+    StepMasks,
     history_repairs,
     own_masks,
     prompt_logprobs_on_device,
@@ -286,7 +287,7 @@ class TokensStep:
         logits: torch.Tensor,
         metadata: "SamplingMetadata",
         repairs: list[tuple[int, int]],
-        grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+        grammar: "StepMasks | None",
     ) -> Sampled:
         inputs = self.inputs
         return sample_on_device(

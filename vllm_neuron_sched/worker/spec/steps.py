@@ -16,12 +16,12 @@ from vllm_neuron_sched.worker.spec.verify import VerifyStep
 from vllm_neuron_sched.worker.steps import PrefillStep, StepKinds, prefill_layout
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
     from vllm_neuron_sched.worker.host_state import HostRequestState, StepUpdate
     from vllm_neuron_sched.worker.layout import Tokens
+    from vllm_neuron_sched.worker.sampling import StepMasks
     from vllm_neuron_sched.worker.steps import StepContext
 
 # (token slots, positions, token ids) a prefill step writes into the device
@@ -87,7 +87,7 @@ class ProposingPrefillStep(PrefillStep):
         logits: torch.Tensor,
         metadata: "SamplingMetadata",
         repairs: list[tuple[int, int]],
-        grammar: "tuple[SchedulerOutput, GrammarOutput, list[str]] | None",
+        grammar: "StepMasks | None",
     ) -> Sampled:
         assert ctx.proposer is not None
         sampled = super().sample_on_device(ctx, logits, metadata, repairs, grammar)
