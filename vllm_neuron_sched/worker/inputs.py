@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from vllm_neuron_sched.core.step_view import BatchShape
-from vllm_neuron_sched.worker.layout import Layout, attention_inputs
+from vllm_neuron_sched.worker.layout import BlockTables, Layout, block_tables
 from vllm_neuron_sched.worker.token_table import (
     PLACEHOLDER_TOKEN_ID,
     SPARE_TOKEN_SLOT,
@@ -106,6 +106,8 @@ class StepInputs:
     attn_inputs: "AttentionInputs"
     # layer name -> [num_tokens_padded] int64 KV slot (padded: NO_KV_SLOT).
     slot_mapping: dict[str, torch.Tensor]
+    # The step's own block tables (a draft model's forwards read them too).
+    tables: BlockTables
     # [num_reqs] int64 token slot each row's sampled token is written to
     # (SPARE_TOKEN_SLOT for rows that do not sample).
     sample_slots: torch.Tensor
@@ -119,14 +121,6 @@ class StepInputs:
     # Some row samples (else the step's last execution is its forward).
     has_samples: bool
 
-    def block_tables(self) -> dict[int, torch.Tensor]:
-        """KV cache group id -> the step's block table (a row per request
-        first, in row order; the step's own copy)."""
-        return {
-            group.kv_cache_group_id: common.block_table_tensor
-            for group, common in self.attn_inputs
-        }
-
 
 def token_inputs(
     batch: "InputBatch",
@@ -134,37 +128,36 @@ def token_inputs(
     layout: Layout,
     token_slots: np.ndarray,
     attn_groups: "list[AttentionGroup]",
+    max_model_len: int,
 ) -> StepInputs:
     """The inputs of ``rows`` at ``layout``: prompt tokens from the host,
     each decode row's one token (its newest) from the device table."""
-    num_scheduled = layout.num_scheduled
+    tokens, num_scheduled = layout.tokens, layout.num_scheduled.numpy()
     # Each row's last token: the one it samples from; a decode row's only.
-    last_token_index = layout.row_offsets + num_scheduled - 1
+    last_token_index = layout.row_offsets.numpy() + num_scheduled - 1
     decode_rows = np.flatnonzero(rows.is_decode_row)
     gather = plan_gather(decode_rows, last_token_index, token_slots)
-    tokens = layout.tokens
-    token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
+    token_ids = batch.token_ids_cpu[
+        tokens.row_of_token.numpy(), tokens.positions.numpy()
+    ]
     token_ids[np.cumsum(num_scheduled)[decode_rows] - 1] = 0
-    index = torch.from_numpy(tokens.index)
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
-    input_ids[index] = torch.from_numpy(token_ids)
-    positions = torch.zeros(layout.num_tokens_padded, dtype=torch.int64)
-    positions[index] = torch.from_numpy(tokens.positions)
-    is_sampled = layout.num_computed + num_scheduled >= rows.num_known
-    attn_inputs, slot_mapping = attention_inputs(
-        batch, attn_groups, layout, tokens, positions
-    )
+    input_ids[tokens.index] = torch.from_numpy(token_ids)
+    is_sampled = rows.num_computed + num_scheduled >= rows.num_known
+    tables = block_tables(batch, len(rows.req_ids))
+    attn_inputs, slot_mapping = layout.sequences.attention(attn_groups, tables)
     return StepInputs(
         req_ids=rows.req_ids,
         num_tokens_padded=layout.num_tokens_padded,
-        row_offsets=layout.row_offsets,
+        row_offsets=layout.row_offsets.numpy(),
         input_ids=input_ids,
         gather=gather,
-        positions=positions,
+        positions=layout.sequences.model_positions(max_model_len),
         logits_indices=torch.from_numpy(last_token_index),
         is_sampled=is_sampled,
         attn_inputs=attn_inputs,
         slot_mapping=slot_mapping,
+        tables=tables,
         sample_slots=torch.from_numpy(
             np.where(is_sampled, token_slots, SPARE_TOKEN_SLOT)
         ),

@@ -1,26 +1,30 @@
-"""Where a step's tokens sit in its padded static shape, and the attention
+"""Where a step's queries sit in its padded static shape, and the attention
 sequences that describe them: the one place rows, offsets, positions, KV
-slots and block tables are computed for the steps the host lays out.
+slots and block tables are computed, for every step kind, in torch.
 
-Two layouts. A prefill step at a rectangular prefill shape ``[rows, tokens]``
-is *rectangular*: row i's chunk sits at ``[i * tokens, i * tokens + chunk)``,
-padded to ``tokens``, and rows past the group are padding. Each row is one
-attention sequence of ``tokens`` queries that starts at the row's computed
-tokens, so a real query sees exactly its own prefix (causal), padded queries
-come after every real one, write no KV (``NO_KV_SLOT``) and read only blocks
-of their row or the null block 0; their outputs are dropped. Every other step
-is *packed*: rows back to back, each its own attention sequence, padded at the
-tail, the padding outside every sequence and writing no KV.
+A step's queries are *sequences* (``Sequences``): each query's position and
+sequence, whether it writes KV, each sequence's query and total length.
+Two shapes of them:
 
-Host side, numpy. Everything returned is freshly allocated: the device may
-still run the previous step while this one is laid out (the ownership rule).
+- *packed*: rows back to back, each its own sequence, padded at the tail; the
+  padding is outside every sequence and writes no KV. Decode steps, mixed
+  steps, prefill steps at a packed shape.
+- *rectangular* ``[rows, width]``: row i is one sequence of ``width`` queries
+  at consecutive positions from its start, its first queries real; padded
+  queries come after every real one, write no KV (``NO_KV_SLOT``) and read
+  only blocks of their row or the null block 0; padded rows sit at positions
+  ``0 .. width - 1``; their outputs are dropped. A prefill step at a
+  rectangular shape ``[rows, tokens]`` (the host lays it out), a verify step
+  ``[decode bucket, 1 + K]`` and the draft model's proposal forwards (the
+  device does, from the lengths it holds).
+
+Everything returned is freshly allocated: the device may still run the
+previous step while the host lays out this one (the ownership rule).
 """
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -28,135 +32,204 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 
 if TYPE_CHECKING:
+    import numpy as np
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
     # Per attention group, the plain metadata its builder turns into its own.
     AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
-# KV slot of padded tokens: the KV cache write skips it.
+# KV slot of a query that writes no KV: the KV cache write skips it.
 NO_KV_SLOT = -1
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The rows of one step in its padded shape."""
+class BlockTable:
+    """One KV cache group's block table for a step's rows: the step's own
+    copy, since the input batch changes while the device runs."""
 
-    num_scheduled: np.ndarray  # [num_reqs] tokens each row runs
-    num_computed: np.ndarray  # [num_reqs] tokens computed before the step
-    row_offsets: np.ndarray  # [num_reqs] int64 each row's first token
+    block_size: int
+    rows: torch.Tensor  # [>= the step's real rows, columns]
+
+
+# KV cache group id -> its block table.
+BlockTables = dict[int, BlockTable]
+
+
+def block_tables(batch: "InputBatch", num_rows: int) -> BlockTables:
+    """Host side: the first ``num_rows`` rows of every group's table."""
+    return {
+        group_id: BlockTable(
+            table.block_size,
+            torch.from_numpy(table.get_numpy_array()[:num_rows].copy()),
+        )
+        for group_id, table in enumerate(batch.block_table.block_tables)
+    }
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """A step's queries as attention sequences."""
+
+    positions: torch.Tensor  # [num_tokens_padded] int64
+    seq_of_query: torch.Tensor  # [num_tokens_padded] int64 (padding: any)
+    writes_kv: torch.Tensor  # [num_tokens_padded] bool
+    query_lens: torch.Tensor  # [num_seqs] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64
+    num_actual_tokens: int  # the queries attention runs (a prefix)
+
+    def model_positions(self, max_model_len: int) -> torch.Tensor:
+        """The positions the model runs: padded queries of a rectangle may
+        reach past the model's (they write no KV and nothing reads them)."""
+        return self.positions.clamp(max=max_model_len - 1)
+
+    def attention(
+        self, groups: "list[AttentionGroup]", tables: BlockTables
+    ) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
+        """Per attention group, the plain metadata; per layer, the KV slots.
+        A query writes no KV where ``writes_kv`` is False or its block is
+        the null block 0 (the table does not hold its position yet)."""
+        query_start_loc = torch.zeros(len(self.query_lens) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(self.query_lens, 0)
+        seq_lens = self.seq_lens.to(torch.int32)
+        max_seq_len = int(self.seq_lens.max())
+        attn_inputs: AttentionInputs = []
+        slot_mapping: dict[str, torch.Tensor] = {}
+        for group in groups:
+            table = tables[group.kv_cache_group_id]
+            block_table, kv_slots = self._slots(table, max_seq_len)
+            common = CommonAttentionMetadata(
+                query_start_loc=query_start_loc,
+                query_start_loc_cpu=query_start_loc,
+                seq_lens=seq_lens,
+                num_reqs=len(self.query_lens),
+                num_actual_tokens=self.num_actual_tokens,
+                max_query_len=int(self.query_lens.max()),
+                max_seq_len=max_seq_len,
+                block_table_tensor=block_table,
+                slot_mapping=kv_slots,
+                positions=self.positions[: self.num_actual_tokens],
+            )
+            attn_inputs.append((group, common))
+            for layer_name in group.layer_names:
+                slot_mapping[layer_name] = kv_slots
+        return attn_inputs, slot_mapping
+
+    def _slots(
+        self, table: BlockTable, max_seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table widened to every sequence and position (padding: the
+        null block), and each query's KV slot."""
+        block_size, rows = table.block_size, table.rows
+        num_seqs, num_real = len(self.query_lens), min(len(self.query_lens), len(rows))
+        columns = max(rows.shape[1], cdiv(max_seq_len, block_size))
+        widened = torch.zeros((num_seqs, columns), dtype=rows.dtype)
+        widened[:num_real, : rows.shape[1]] = rows[:num_real]
+        block = widened[self.seq_of_query, self.positions // block_size].long()
+        kv_slots = torch.where(
+            self.writes_kv & (block != 0),
+            block * block_size + self.positions % block_size,
+            NO_KV_SLOT,
+        )
+        return widened, kv_slots
+
+
+def rectangle(
+    num_rows_padded: int, width: int, starts: torch.Tensor, num_real: torch.Tensor
+) -> Sequences:
+    """``[num_rows_padded, width]`` queries: row i (of ``len(starts)``) at
+    positions ``starts[i]`` on, its first ``num_real[i]`` queries real."""
+    rows = len(starts)
+    offsets = torch.arange(width, dtype=torch.int64)
+    positions = offsets.repeat(num_rows_padded, 1)
+    positions[:rows] += starts[:, None]
+    writes_kv = torch.zeros((num_rows_padded, width), dtype=torch.bool)
+    writes_kv[:rows] = offsets[None, :] < num_real[:, None]
+    return Sequences(
+        positions=positions.flatten(),
+        seq_of_query=torch.arange(num_rows_padded).repeat_interleave(width),
+        writes_kv=writes_kv.flatten(),
+        query_lens=torch.full((num_rows_padded,), width, dtype=torch.int64),
+        seq_lens=positions[:, -1] + 1,
+        num_actual_tokens=num_rows_padded * width,
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Host side: the rows of a step whose tokens the host lays out, in
+    its padded shape."""
+
+    num_scheduled: torch.Tensor  # [num_reqs] int64 tokens each row runs
+    row_offsets: torch.Tensor  # [num_reqs] int64 each row's first token
     num_tokens_padded: int  # the static shape run on the device
-    # A rectangular prefill shape (None: packed).
-    rectangle: PrefillShape | None = None
+    tokens: "Tokens"  # the real tokens
+    sequences: Sequences
 
     @classmethod
     def packed(
-        cls, num_scheduled: np.ndarray, num_computed: np.ndarray, num_padded: int
+        cls, num_scheduled: "np.ndarray", num_computed: "np.ndarray", num_padded: int
     ) -> "Layout":
-        offsets = (np.cumsum(num_scheduled) - num_scheduled).astype(np.int64)
-        return cls(num_scheduled, num_computed, offsets, num_padded)
+        scheduled, computed = _tensors(num_scheduled, num_computed)
+        offsets = torch.cumsum(scheduled, 0) - scheduled
+        tokens = Tokens.of(scheduled, computed, offsets)
+        num_tokens = len(tokens.positions)
+        positions = torch.zeros(num_padded, dtype=torch.int64)
+        positions[:num_tokens] = tokens.positions
+        seq_of_query = torch.zeros(num_padded, dtype=torch.int64)
+        seq_of_query[:num_tokens] = tokens.row_of_token
+        sequences = Sequences(
+            positions=positions,
+            seq_of_query=seq_of_query,
+            writes_kv=torch.arange(num_padded) < num_tokens,
+            query_lens=scheduled,
+            seq_lens=computed + scheduled,
+            num_actual_tokens=num_tokens,
+        )
+        return cls(scheduled, offsets, num_padded, tokens, sequences)
 
     @classmethod
     def of_prefill(
-        cls, shape: PrefillShape, num_scheduled: np.ndarray, num_computed: np.ndarray
+        cls,
+        shape: PrefillShape,
+        num_scheduled: "np.ndarray",
+        num_computed: "np.ndarray",
     ) -> "Layout":
         """A prefill step at its declared shape, packed or rectangular."""
         if shape.packed:
             return cls.packed(num_scheduled, num_computed, shape.size)
-        offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
-        return cls(num_scheduled, num_computed, offsets, shape.size, shape)
-
-    @cached_property
-    def tokens(self) -> "Tokens":
-        """The step's real tokens, in row order (computed once: the inputs and
-        a speculating prefill step's history writes both read them)."""
-        num_scheduled = self.num_scheduled
-        num_tokens = int(num_scheduled.sum())
-        starts = np.cumsum(num_scheduled) - num_scheduled
-        row_of_token = np.repeat(np.arange(len(num_scheduled)), num_scheduled)
-        offset_in_row = np.arange(num_tokens) - starts[row_of_token]
-        return Tokens(
-            row_of_token,
-            self.num_computed[row_of_token] + offset_in_row,
-            self.row_offsets[row_of_token] + offset_in_row,
-        )
-
-    def attention(
-        self,
-        table_np: np.ndarray,
-        block_size: int,
-        kv_slots: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> CommonAttentionMetadata:
-        """One KV cache group's plain attention metadata (its block table a
-        copy: the input batch's changes while the device runs)."""
-        num_reqs = len(self.num_scheduled)
-        shape = self.rectangle
-        if shape is None:  # packed: the real tokens only
-            query_lens = self.num_scheduled.astype(np.int64)
-            seq_lens_np = self.num_computed + query_lens
-            block_table = table_np[:num_reqs]
-            num_actual_tokens = int(query_lens.sum())
-        else:  # every row, padded rows too, is ``tokens`` queries long
-            query_lens = np.full(shape.rows, shape.tokens, dtype=np.int64)
-            seq_lens_np = query_lens.copy()
-            seq_lens_np[:num_reqs] += self.num_computed
-            # Padded queries reach past the row's blocks: the null block 0.
-            width = max(table_np.shape[1], cdiv(int(seq_lens_np.max()), block_size))
-            block_table = np.zeros((shape.rows, width), dtype=table_np.dtype)
-            block_table[:num_reqs, : table_np.shape[1]] = table_np[:num_reqs]
-            num_actual_tokens = shape.size
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.from_numpy(np.cumsum(query_lens))
-        return CommonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
-            num_reqs=len(query_lens),
-            num_actual_tokens=num_actual_tokens,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            block_table_tensor=torch.from_numpy(np.array(block_table, copy=True)),
-            slot_mapping=kv_slots,
-            positions=positions[:num_actual_tokens],
-        )
+        scheduled, computed = _tensors(num_scheduled, num_computed)
+        offsets = torch.arange(len(scheduled), dtype=torch.int64) * shape.tokens
+        tokens = Tokens.of(scheduled, computed, offsets)
+        sequences = rectangle(shape.rows, shape.tokens, computed, scheduled)
+        return cls(scheduled, offsets, shape.size, tokens, sequences)
 
 
 @dataclass(frozen=True)
 class Tokens:
     """A step's real tokens, in row order."""
 
-    row_of_token: np.ndarray  # [num_tokens] the row each token belongs to
-    positions: np.ndarray  # [num_tokens] int64 position in its sequence
-    index: np.ndarray  # [num_tokens] where each sits in the padded step
+    row_of_token: torch.Tensor  # [num_tokens] int64 the row each belongs to
+    positions: torch.Tensor  # [num_tokens] int64 position in its sequence
+    index: torch.Tensor  # [num_tokens] int64 where each sits in the padded step
+
+    @classmethod
+    def of(
+        cls,
+        num_scheduled: torch.Tensor,
+        num_computed: torch.Tensor,
+        row_offsets: torch.Tensor,
+    ) -> "Tokens":
+        row_of_token = torch.repeat_interleave(num_scheduled)
+        starts = torch.cumsum(num_scheduled, 0) - num_scheduled
+        offset_in_row = torch.arange(len(row_of_token)) - starts[row_of_token]
+        return cls(
+            row_of_token,
+            num_computed[row_of_token] + offset_in_row,
+            row_offsets[row_of_token] + offset_in_row,
+        )
 
 
-def attention_inputs(
-    batch: "InputBatch",
-    attn_groups: "list[AttentionGroup]",
-    layout: Layout,
-    tokens: Tokens,
-    positions: torch.Tensor,
-) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
-    """Per KV cache group, the plain attention metadata; per layer, the KV
-    slots (padded tokens: ``NO_KV_SLOT``)."""
-    attn_inputs: AttentionInputs = []
-    slot_mapping: dict[str, torch.Tensor] = {}
-    index = torch.from_numpy(tokens.index)
-    for group in attn_groups:
-        block_table = batch.block_table[group.kv_cache_group_id]
-        block_size = block_table.block_size
-        table_np = block_table.get_numpy_array()
-        kv_slots = torch.full(
-            (layout.num_tokens_padded,), NO_KV_SLOT, dtype=torch.int64
-        )
-        block_numbers = table_np[tokens.row_of_token, tokens.positions // block_size]
-        kv_slots[index] = torch.from_numpy(
-            block_numbers.astype(np.int64) * block_size + tokens.positions % block_size
-        )
-        attn_inputs.append(
-            (group, layout.attention(table_np, block_size, kv_slots, positions))
-        )
-        for layer_name in group.layer_names:
-            slot_mapping[layer_name] = kv_slots
-    return attn_inputs, slot_mapping
+def _tensors(*arrays: "np.ndarray") -> list[torch.Tensor]:
+    """int64 tensors of the host's arrays (copies: they may be live)."""
+    return [torch.tensor(array, dtype=torch.int64) for array in arrays]

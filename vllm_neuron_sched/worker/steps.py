@@ -187,7 +187,12 @@ class TokensStep:
     ) -> "TokensStep":
         layout = cls.of_layout(ctx.buckets, rows)
         inputs = token_inputs(
-            host.batch, rows, layout, update.token_slots, ctx.kv_cache.attn_groups
+            host.batch,
+            rows,
+            layout,
+            update.token_slots,
+            ctx.kv_cache.attn_groups,
+            ctx.max_model_len,
         )
         return cls(inputs, inputs.is_sampled.astype(np.int64))
 

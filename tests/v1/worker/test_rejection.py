@@ -137,7 +137,8 @@ def test_penalties_count_each_querys_drafts() -> None:
         slots=torch.tensor([1, 2]),
         scheduled_drafts=torch.tensor([2, 2]),
         prompt_lens=torch.tensor([2, 1]),
-        tables=[],
+        groups=[],
+        tables={},
     )
     metadata = replace(
         _metadata([0.0, 0.0]),

@@ -31,9 +31,9 @@ from vllm.model_executor.model_loader import get_model
 
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.kv_cache import DRAFT_PREFIX
+from vllm_neuron_sched.worker.layout import BlockTables, Sequences, rectangle
 from vllm_neuron_sched.worker.spec.config import Speculation
 from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens
-from vllm_neuron_sched.worker.spec.verify import padded_positions, rectangular_attention
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,13 +111,11 @@ class DraftModel:
         slot_mapping: dict[str, torch.Tensor],
         num_tokens_padded: int,
     ) -> torch.Tensor:
-        # Padded queries may reach past the model's positions (they write no
-        # KV and nothing reads their output).
         return run_model(
             self.model,
             self.vllm_config,
             input_ids,
-            positions.clamp(max=self.speculation.max_model_len - 1),
+            positions,
             attn_inputs,
             slot_mapping,
             num_tokens_padded,
@@ -132,12 +130,9 @@ class DraftModel:
         # The ingest: the tokens just added, their last real query's logits.
         ids = torch.zeros((num_rows, width), dtype=torch.int32)
         ids[:rows] = accepted.tokens.clamp(min=0)
-        positions = padded_positions(num_rows, width)
-        positions[:rows] += accepted.starts[:, None]
-        is_real = torch.zeros((num_rows, width), dtype=torch.bool)
-        is_real[:rows] = torch.arange(width)[None, :] < counts[:, None]
+        ingest = rectangle(num_rows, width, accepted.starts, counts)
         last = torch.arange(rows) * width + (counts - 1).clamp(min=0)
-        drafts = [self._greedy(ids, positions, is_real, accepted.tables, last)]
+        drafts = [self._greedy(ids, ingest, accepted.tables, last)]
         # Drafts 2..K, each fed the one before, one query per row.
         known = accepted.starts + counts  # tokens known after the ingest
         real_rows = counts > 0
@@ -146,11 +141,9 @@ class DraftModel:
             position = known - 1 + k
             ids = torch.zeros((num_rows, 1), dtype=torch.int32)
             ids[:rows, 0] = drafts[-1]
-            positions = padded_positions(num_rows, 1)
-            positions[:rows, 0] = position
-            is_real = torch.zeros((num_rows, 1), dtype=torch.bool)
-            is_real[:rows, 0] = real_rows & (position < self.speculation.max_model_len)
-            drafts.append(self._greedy(ids, positions, is_real, accepted.tables, real))
+            is_real = real_rows & (position < self.speculation.max_model_len)
+            step = rectangle(num_rows, 1, position, is_real.long())
+            drafts.append(self._greedy(ids, step, accepted.tables, real))
         # As many drafts as fit before max_model_len (the n-gram rule).
         limit = (self.speculation.max_model_len - known).clamp(
             min=0, max=self.num_tokens
@@ -164,17 +157,18 @@ class DraftModel:
     def _greedy(
         self,
         ids: torch.Tensor,
-        positions: torch.Tensor,
-        is_real: torch.Tensor,
-        tables: dict[int, torch.Tensor],
+        sequences: Sequences,
+        tables: BlockTables,
         select: torch.Tensor,
     ) -> torch.Tensor:
         """The draft's greedy token after each ``select``-ed query of a
         ``[rows, width]`` step (indices into its flattened queries)."""
-        attn_inputs, slot_mapping = rectangular_attention(
-            positions, is_real, [(g, tables[g.kv_cache_group_id]) for g in self.groups]
-        )
+        attn_inputs, slot_mapping = sequences.attention(self.groups, tables)
         hidden_states = self._run(
-            ids.flatten(), positions.flatten(), attn_inputs, slot_mapping, ids.numel()
+            ids.flatten(),
+            sequences.model_positions(self.speculation.max_model_len),
+            attn_inputs,
+            slot_mapping,
+            ids.numel(),
         )
         return self.model.compute_logits(hidden_states[select]).argmax(dim=-1)

@@ -14,6 +14,7 @@ from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
 if TYPE_CHECKING:
     from vllm_neuron_sched.worker.inputs import StepInputs
+    from vllm_neuron_sched.worker.layout import BlockTables
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
@@ -28,7 +29,7 @@ class AcceptedTokens:
     starts: torch.Tensor  # [rows] int64
     tokens: torch.Tensor  # [rows, W] int32 (REJECTED past the counts)
     counts: torch.Tensor  # [rows] int64
-    tables: dict[int, torch.Tensor]
+    tables: "BlockTables"
 
 
 class Proposer(Protocol):
@@ -71,7 +72,7 @@ def after_prompt_sampling(
     slots: torch.Tensor,
     positions: torch.Tensor,
     sampled: torch.Tensor,
-    tables: dict[int, torch.Tensor],
+    tables: "BlockTables",
 ) -> Drafts:
     """Device side, after a prompt's last chunk sampled its first token: the
     token into the history, and the first drafts, so the request's first

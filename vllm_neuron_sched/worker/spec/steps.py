@@ -64,7 +64,9 @@ class ProposingPrefillStep(PrefillStep):
         num_scheduled = rows.num_scheduled - rows.num_drafts
         layout = prefill_layout(ctx.buckets, num_scheduled, rows.num_computed)
         batch, slots = host.batch, update.token_slots
-        inputs = token_inputs(batch, rows, layout, slots, ctx.kv_cache.attn_groups)
+        inputs = token_inputs(
+            batch, rows, layout, slots, ctx.kv_cache.attn_groups, ctx.max_model_len
+        )
         return cls(
             inputs,
             inputs.is_sampled.astype(np.int64) + rows.num_drafts,
@@ -98,7 +100,7 @@ class ProposingPrefillStep(PrefillStep):
                 self.inputs.sample_slots,
                 self.next_positions,
                 sampled.tokens,
-                self.inputs.block_tables(),
+                self.inputs.tables,
             )
         return replace(sampled, drafts=drafts)
 
@@ -115,8 +117,8 @@ def _history_writes(
     hits = num_cached_prompt_tokens[hit_rows]
     hit_rows_of_token = np.repeat(hit_rows, hits)
     hit_positions = np.arange(int(hits.sum())) - np.repeat(np.cumsum(hits) - hits, hits)
-    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token])
-    columns = np.concatenate([hit_positions, tokens.positions])
+    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token.numpy()])
+    columns = np.concatenate([hit_positions, tokens.positions.numpy()])
     return (
         torch.from_numpy(token_slots[rows]),
         torch.from_numpy(columns),

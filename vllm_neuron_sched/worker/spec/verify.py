@@ -8,12 +8,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.utils.math_utils import cdiv
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
+from vllm_neuron_sched.worker.layout import (
+    BlockTables,
+    Sequences,
+    block_tables,
+    rectangle,
+)
 from vllm_neuron_sched.worker.results import (
     Drafts,
     Verified,
@@ -48,11 +52,9 @@ if TYPE_CHECKING:
         StepUpdate,
     )
     from vllm_neuron_sched.worker.inputs import StepRows
+    from vllm_neuron_sched.worker.layout import AttentionInputs
     from vllm_neuron_sched.worker.steps import StepContext
     from vllm_neuron_sched.worker.token_table import DeviceTokens
-
-    # Per attention group, the plain metadata its builder turns into its own.
-    AttentionInputs = list[tuple[AttentionGroup, CommonAttentionMetadata]]
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,8 @@ class VerifyPlan:
     slots: torch.Tensor  # [num_rows] int64 token slots
     scheduled_drafts: torch.Tensor  # [num_rows] int64
     prompt_lens: torch.Tensor  # [num_rows] int64 (penalties count what follows)
-    # Per attention group: the group and its rows' [num_rows, blocks] block
-    # table (the device pads it to the step: ``rectangular_attention``).
-    tables: "list[tuple[AttentionGroup, torch.Tensor]]"
+    groups: "list[AttentionGroup]"
+    tables: BlockTables  # the rows' (the device pads them to the step)
     # (row, min_tokens, stop token ids) of the rows that set min_tokens.
     min_tokens: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
@@ -89,23 +90,10 @@ def plan_verify(
 ) -> VerifyPlan:
     """Host side, from the scheduler's decisions only: no position, since the
     scheduler's ``num_computed_tokens`` may count drafts the device rejected
-    (it plans optimistically). The block tables are copies: the input batch
-    changes while the device runs."""
+    (it plans optimistically)."""
     num_rows = batch.num_reqs
-    width = 1 + num_spec_tokens if scheduled_drafts.any() else 1
-    tables = [
-        (
-            group,
-            torch.from_numpy(
-                batch.block_table[group.kv_cache_group_id]
-                .get_numpy_array()[:num_rows]
-                .copy()
-            ),
-        )
-        for group in attn_groups
-    ]
     return VerifyPlan(
-        width=width,
+        width=1 + num_spec_tokens if scheduled_drafts.any() else 1,
         num_rows=num_rows,
         num_rows_padded=num_rows_padded,
         slots=torch.from_numpy(token_slots[:num_rows].copy()),
@@ -113,7 +101,8 @@ def plan_verify(
         prompt_lens=torch.from_numpy(
             batch.num_prompt_tokens[:num_rows].astype(np.int64)
         ),
-        tables=tables,
+        groups=attn_groups,
+        tables=block_tables(batch, num_rows),
         min_tokens=tuple(min_tokens or ()),
     )
 
@@ -123,17 +112,17 @@ class VerifyInputs:
     """A verify step's inputs, completed on the device."""
 
     input_ids: torch.Tensor  # [num_tokens_padded] int32
-    positions: torch.Tensor  # [num_tokens_padded] int64
+    sequences: Sequences
     slot_mapping: dict[str, torch.Tensor]
-    attn_inputs: "list[tuple[AttentionGroup, CommonAttentionMetadata]]"
+    attn_inputs: "AttentionInputs"
     num_drafts: torch.Tensor  # [num_rows] drafts each row verifies
     starts: torch.Tensor  # [num_rows] where each row's new tokens go
 
 
 def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs:
-    """Device side: row i's queries sit at ``[i * width, (i + 1) * width)``:
-    the newest token at position ``length - 1``, then the drafts. Queries past
-    a row's drafts, and padded rows, write no KV and are never sampled."""
+    """Device side: row i's queries are a rectangle's row (``layout.py``):
+    the newest token at position ``length - 1``, then the drafts. Queries
+    past a row's drafts, and padded rows, write no KV and are never sampled."""
     rows, width = plan.num_rows, plan.width
     lengths = tokens.lengths_of(plan.slots)
     num_drafts = torch.minimum(
@@ -144,71 +133,16 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
     ids = torch.zeros((plan.num_rows_padded, width), dtype=torch.int32)
     ids[:rows, 0] = tokens.read(plan.slots)
     ids[:rows, 1:] = tokens.drafts_of(plan.slots, width - 1)
-    positions = padded_positions(plan.num_rows_padded, width)
-    positions[:rows] += (lengths - 1)[:, None]
-    is_real = torch.zeros((plan.num_rows_padded, width), dtype=torch.bool)
-    is_real[:rows] = positions[:rows] - (lengths - 1)[:, None] <= num_drafts[:, None]
-    attn_inputs, slot_mapping = rectangular_attention(positions, is_real, plan.tables)
+    sequences = rectangle(plan.num_rows_padded, width, lengths - 1, 1 + num_drafts)
+    attn_inputs, slot_mapping = sequences.attention(plan.groups, plan.tables)
     return VerifyInputs(
         input_ids=ids.flatten(),
-        positions=positions.flatten(),
+        sequences=sequences,
         slot_mapping=slot_mapping,
         attn_inputs=attn_inputs,
         num_drafts=num_drafts,
         starts=lengths,
     )
-
-
-def padded_positions(num_rows: int, width: int) -> torch.Tensor:
-    """``[num_rows, width]`` positions ``0 .. width - 1`` per row: what a
-    padded row of a rectangular step keeps (one sequence of ``width``)."""
-    return torch.arange(width, dtype=torch.int64).repeat(num_rows, 1)
-
-
-def rectangular_attention(
-    positions: torch.Tensor,
-    is_real: torch.Tensor,
-    tables: "list[tuple[AttentionGroup, torch.Tensor]]",
-) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
-    """Device side: attention for ``[rows, width]`` queries, each row one
-    sequence whose queries sit at consecutive ``positions`` (a padded row's
-    at ``padded_positions``). Queries not ``is_real`` write no KV, nor do
-    positions whose block the table does not hold yet (the null block 0); a
-    real query sees its own row's positions up to its own. ``tables``: per
-    attention group, each row's blocks (``[>= real rows, columns]``; padded
-    rows get the null block)."""
-    num_rows, width = positions.shape
-    seq_lens = (positions[:, -1] + 1).to(torch.int32)
-    query_start_loc = torch.arange(0, num_rows * width + 1, width, dtype=torch.int32)
-    flat_positions = positions.flatten()
-    row_of = torch.arange(num_rows).repeat_interleave(width)
-    slot_mapping: dict[str, torch.Tensor] = {}
-    attn_inputs = []
-    for group, rows_table in tables:
-        block_size = group.kv_cache_spec.block_size
-        real_rows = min(rows_table.shape[0], num_rows)
-        columns = max(rows_table.shape[1], cdiv(int(seq_lens.max()), block_size))
-        table = torch.zeros((num_rows, columns), dtype=rows_table.dtype)
-        table[:real_rows, : rows_table.shape[1]] = rows_table[:real_rows]
-        block = table[row_of, flat_positions // block_size].to(torch.int64)
-        kv_slots = block * block_size + flat_positions % block_size
-        kv_slots[~is_real.flatten() | (block == 0)] = -1
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens=seq_lens,
-            num_reqs=num_rows,
-            num_actual_tokens=num_rows * width,
-            max_query_len=width,
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=table,
-            slot_mapping=kv_slots,
-            positions=flat_positions,
-        )
-        attn_inputs.append((group, common))
-        for layer_name in group.layer_names:
-            slot_mapping[layer_name] = kv_slots
-    return attn_inputs, slot_mapping
 
 
 def verify_on_device(
@@ -252,7 +186,7 @@ def verify_on_device(
                 forward.starts,
                 sampled,
                 accepted,
-                {group.kv_cache_group_id: table for group, table in plan.tables},
+                plan.tables,
             ),
         )
         drafts = Drafts(
@@ -374,9 +308,7 @@ def _verify_forward_on_device(ctx: "StepContext", plan: VerifyPlan) -> VerifyFor
             ctx.model,
             ctx.vllm_config,
             inputs.input_ids,
-            # Queries past a row's drafts may reach past the model's
-            # positions; they write no KV and nothing reads their output.
-            inputs.positions.clamp(max=ctx.max_model_len - 1),
+            inputs.sequences.model_positions(ctx.max_model_len),
             inputs.attn_inputs,
             inputs.slot_mapping,
             plan.num_tokens_padded,
