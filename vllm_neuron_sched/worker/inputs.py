@@ -132,24 +132,22 @@ def token_inputs(
 ) -> StepInputs:
     """The inputs of ``rows`` at ``layout``: prompt tokens from the host,
     each decode row's one token (its newest) from the device table."""
-    tokens, num_scheduled = layout.tokens, layout.num_scheduled.numpy()
+    tokens, num_scheduled = layout.tokens, layout.num_scheduled
     # Each row's last token: the one it samples from; a decode row's only.
-    last_token_index = layout.row_offsets.numpy() + num_scheduled - 1
+    last_token_index = layout.row_offsets + num_scheduled - 1
     decode_rows = np.flatnonzero(rows.is_decode_row)
     gather = plan_gather(decode_rows, last_token_index, token_slots)
-    token_ids = batch.token_ids_cpu[
-        tokens.row_of_token.numpy(), tokens.positions.numpy()
-    ]
+    token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
     token_ids[np.cumsum(num_scheduled)[decode_rows] - 1] = 0
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
-    input_ids[tokens.index] = torch.from_numpy(token_ids)
+    input_ids[torch.from_numpy(tokens.index)] = torch.from_numpy(token_ids)
     is_sampled = rows.num_computed + num_scheduled >= rows.num_known
     tables = block_tables(batch, len(rows.req_ids))
     attn_inputs, slot_mapping = layout.sequences.attention(attn_groups, tables)
     return StepInputs(
         req_ids=rows.req_ids,
         num_tokens_padded=layout.num_tokens_padded,
-        row_offsets=layout.row_offsets.numpy(),
+        row_offsets=layout.row_offsets,
         input_ids=input_ids,
         gather=gather,
         positions=layout.sequences.model_positions(max_model_len),

@@ -1,6 +1,9 @@
 """Where a step's queries sit in its padded static shape, and the attention
 sequences that describe them: the one place rows, offsets, positions, KV
-slots and block tables are computed, for every step kind, in torch.
+slots and block tables are computed, for every step kind. The sequences,
+their KV slots and block tables are torch, host and device alike; the host's
+arithmetic for a packed step (``Layout``, ``Tokens``) is numpy, since it
+indexes the host's numpy arrays and costs a fraction of torch's there.
 
 A step's queries are *sequences* (``Sequences``): each query's position and
 sequence, whether it writes KV, each sequence's query and total length.
@@ -25,6 +28,7 @@ previous step while the host lays out this one (the ownership rule).
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -32,7 +36,6 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm_neuron_sched.core.prefill_shapes import PrefillShape
 
 if TYPE_CHECKING:
-    import numpy as np
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -74,9 +77,11 @@ class Sequences:
     positions: torch.Tensor  # [num_tokens_padded] int64
     seq_of_query: torch.Tensor  # [num_tokens_padded] int64 (padding: any)
     writes_kv: torch.Tensor  # [num_tokens_padded] bool
-    query_lens: torch.Tensor  # [num_seqs] int64
-    seq_lens: torch.Tensor  # [num_seqs] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
     num_actual_tokens: int  # the queries attention runs (a prefix)
+    max_query_len: int
+    max_seq_len: int
 
     def model_positions(self, max_model_len: int) -> torch.Tensor:
         """The positions the model runs: padded queries of a rectangle may
@@ -86,26 +91,23 @@ class Sequences:
     def attention(
         self, groups: "list[AttentionGroup]", tables: BlockTables
     ) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
-        """Per attention group, the plain metadata; per layer, the KV slots.
-        A query writes no KV where ``writes_kv`` is False or its block is
-        the null block 0 (the table does not hold its position yet)."""
-        query_start_loc = torch.zeros(len(self.query_lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(self.query_lens, 0)
-        seq_lens = self.seq_lens.to(torch.int32)
-        max_seq_len = int(self.seq_lens.max())
+        """Per attention group, the plain metadata; per layer, the KV slots."""
         attn_inputs: AttentionInputs = []
         slot_mapping: dict[str, torch.Tensor] = {}
+        of_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for group in groups:
-            table = tables[group.kv_cache_group_id]
-            block_table, kv_slots = self._slots(table, max_seq_len)
+            group_id = group.kv_cache_group_id
+            if group_id not in of_group:
+                of_group[group_id] = self._slots(tables[group_id])
+            block_table, kv_slots = of_group[group_id]
             common = CommonAttentionMetadata(
-                query_start_loc=query_start_loc,
-                query_start_loc_cpu=query_start_loc,
-                seq_lens=seq_lens,
-                num_reqs=len(self.query_lens),
+                query_start_loc=self.query_start_loc,
+                query_start_loc_cpu=self.query_start_loc,
+                seq_lens=self.seq_lens,
+                num_reqs=len(self.seq_lens),
                 num_actual_tokens=self.num_actual_tokens,
-                max_query_len=int(self.query_lens.max()),
-                max_seq_len=max_seq_len,
+                max_query_len=self.max_query_len,
+                max_seq_len=self.max_seq_len,
                 block_table_tensor=block_table,
                 slot_mapping=kv_slots,
                 positions=self.positions[: self.num_actual_tokens],
@@ -115,23 +117,24 @@ class Sequences:
                 slot_mapping[layer_name] = kv_slots
         return attn_inputs, slot_mapping
 
-    def _slots(
-        self, table: BlockTable, max_seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The table widened to every sequence and position (padding: the
-        null block), and each query's KV slot."""
+    def _slots(self, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table for every sequence and position (widened with the null
+        block where it falls short), and each query's KV slot: none where
+        ``writes_kv`` is False or the block is the null block 0 (the table
+        does not hold that position yet)."""
         block_size, rows = table.block_size, table.rows
-        num_seqs, num_real = len(self.query_lens), min(len(self.query_lens), len(rows))
-        columns = max(rows.shape[1], cdiv(max_seq_len, block_size))
-        widened = torch.zeros((num_seqs, columns), dtype=rows.dtype)
-        widened[:num_real, : rows.shape[1]] = rows[:num_real]
-        block = widened[self.seq_of_query, self.positions // block_size].long()
-        kv_slots = torch.where(
-            self.writes_kv & (block != 0),
-            block * block_size + self.positions % block_size,
-            NO_KV_SLOT,
-        )
-        return widened, kv_slots
+        num_seqs = len(self.seq_lens)
+        columns = max(rows.shape[1], cdiv(self.max_seq_len, block_size))
+        if len(rows) >= num_seqs and columns == rows.shape[1]:
+            block_table = rows[:num_seqs]  # already the step's own copy
+        else:
+            block_table = torch.zeros((num_seqs, columns), dtype=rows.dtype)
+            num_real = min(num_seqs, len(rows))
+            block_table[:num_real, : rows.shape[1]] = rows[:num_real]
+        block = block_table[self.seq_of_query, self.positions // block_size]
+        kv_slots = torch.add(self.positions % block_size, block, alpha=block_size)
+        kv_slots.masked_fill_(~self.writes_kv | (block == 0), NO_KV_SLOT)
+        return block_table, kv_slots
 
 
 def rectangle(
@@ -145,91 +148,103 @@ def rectangle(
     positions[:rows] += starts[:, None]
     writes_kv = torch.zeros((num_rows_padded, width), dtype=torch.bool)
     writes_kv[:rows] = offsets[None, :] < num_real[:, None]
+    seq_lens = (positions[:, -1] + 1).to(torch.int32)
+    num_tokens = num_rows_padded * width
     return Sequences(
         positions=positions.flatten(),
         seq_of_query=torch.arange(num_rows_padded).repeat_interleave(width),
         writes_kv=writes_kv.flatten(),
-        query_lens=torch.full((num_rows_padded,), width, dtype=torch.int64),
-        seq_lens=positions[:, -1] + 1,
-        num_actual_tokens=num_rows_padded * width,
+        query_start_loc=torch.arange(0, num_tokens + 1, width, dtype=torch.int32),
+        seq_lens=seq_lens,
+        num_actual_tokens=num_tokens,
+        max_query_len=width,
+        max_seq_len=int(seq_lens.max()),
     )
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Host side: the rows of a step whose tokens the host lays out, in
-    its padded shape."""
+    """Host side: the rows of a step whose tokens the host lays out, in its
+    padded shape. Its arithmetic is numpy's (it indexes the host's arrays,
+    and small numpy operations cost the host a fraction of torch's); its
+    ``sequences`` are the tensors every step kind's attention reads."""
 
-    num_scheduled: torch.Tensor  # [num_reqs] int64 tokens each row runs
-    row_offsets: torch.Tensor  # [num_reqs] int64 each row's first token
+    num_scheduled: np.ndarray  # [num_reqs] int64 tokens each row runs
+    row_offsets: np.ndarray  # [num_reqs] int64 each row's first token
     num_tokens_padded: int  # the static shape run on the device
     tokens: "Tokens"  # the real tokens
     sequences: Sequences
 
     @classmethod
     def packed(
-        cls, num_scheduled: "np.ndarray", num_computed: "np.ndarray", num_padded: int
+        cls, num_scheduled: np.ndarray, num_computed: np.ndarray, num_padded: int
     ) -> "Layout":
-        scheduled, computed = _tensors(num_scheduled, num_computed)
-        offsets = torch.cumsum(scheduled, 0) - scheduled
-        tokens = Tokens.of(scheduled, computed, offsets)
+        offsets = np.cumsum(num_scheduled) - num_scheduled
+        tokens = Tokens.of(num_scheduled, num_computed, offsets)
         num_tokens = len(tokens.positions)
-        positions = torch.zeros(num_padded, dtype=torch.int64)
+        # The padding at position 0 of row 0, writing no KV.
+        positions = np.zeros(num_padded, dtype=np.int64)
         positions[:num_tokens] = tokens.positions
-        seq_of_query = torch.zeros(num_padded, dtype=torch.int64)
+        seq_of_query = np.zeros(num_padded, dtype=np.int64)
         seq_of_query[:num_tokens] = tokens.row_of_token
+        query_start_loc = np.zeros(len(num_scheduled) + 1, dtype=np.int32)
+        query_start_loc[1:] = offsets + num_scheduled
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)
         sequences = Sequences(
-            positions=positions,
-            seq_of_query=seq_of_query,
-            writes_kv=torch.arange(num_padded) < num_tokens,
-            query_lens=scheduled,
-            seq_lens=computed + scheduled,
+            positions=torch.from_numpy(positions),
+            seq_of_query=torch.from_numpy(seq_of_query),
+            writes_kv=torch.from_numpy(np.arange(num_padded) < num_tokens),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            seq_lens=torch.from_numpy(seq_lens),
             num_actual_tokens=num_tokens,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
         )
-        return cls(scheduled, offsets, num_padded, tokens, sequences)
+        return cls(num_scheduled, offsets, num_padded, tokens, sequences)
 
     @classmethod
     def of_prefill(
-        cls,
-        shape: PrefillShape,
-        num_scheduled: "np.ndarray",
-        num_computed: "np.ndarray",
+        cls, shape: PrefillShape, num_scheduled: np.ndarray, num_computed: np.ndarray
     ) -> "Layout":
         """A prefill step at its declared shape, packed or rectangular."""
         if shape.packed:
             return cls.packed(num_scheduled, num_computed, shape.size)
-        scheduled, computed = _tensors(num_scheduled, num_computed)
-        offsets = torch.arange(len(scheduled), dtype=torch.int64) * shape.tokens
-        tokens = Tokens.of(scheduled, computed, offsets)
-        sequences = rectangle(shape.rows, shape.tokens, computed, scheduled)
-        return cls(scheduled, offsets, shape.size, tokens, sequences)
+        offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
+        tokens = Tokens.of(num_scheduled, num_computed, offsets)
+        sequences = rectangle(
+            shape.rows,
+            shape.tokens,
+            torch.from_numpy(num_computed),
+            torch.from_numpy(num_scheduled),
+        )
+        return cls(num_scheduled, offsets, shape.size, tokens, sequences)
 
 
 @dataclass(frozen=True)
 class Tokens:
     """A step's real tokens, in row order."""
 
-    row_of_token: torch.Tensor  # [num_tokens] int64 the row each belongs to
-    positions: torch.Tensor  # [num_tokens] int64 position in its sequence
-    index: torch.Tensor  # [num_tokens] int64 where each sits in the padded step
+    row_of_token: np.ndarray  # [num_tokens] the row each belongs to
+    positions: np.ndarray  # [num_tokens] int64 position in its sequence
+    index: np.ndarray  # [num_tokens] where each sits in the padded step
 
     @classmethod
     def of(
         cls,
-        num_scheduled: torch.Tensor,
-        num_computed: torch.Tensor,
-        row_offsets: torch.Tensor,
+        num_scheduled: np.ndarray,
+        num_computed: np.ndarray,
+        row_offsets: np.ndarray,
     ) -> "Tokens":
-        row_of_token = torch.repeat_interleave(num_scheduled)
-        starts = torch.cumsum(num_scheduled, 0) - num_scheduled
-        offset_in_row = torch.arange(len(row_of_token)) - starts[row_of_token]
+        num_rows = len(num_scheduled)
+        if (num_scheduled == 1).all():  # a token a row: a decode step
+            return cls(np.arange(num_rows), num_computed.copy(), row_offsets)
+        row_of_token = np.repeat(np.arange(num_rows), num_scheduled)
+        # Token j in row order is the (j - first)-th of its row, ``first``
+        # the row's first token in row order.
+        first = np.cumsum(num_scheduled) - num_scheduled
+        order = np.arange(len(row_of_token))
         return cls(
             row_of_token,
-            num_computed[row_of_token] + offset_in_row,
-            row_offsets[row_of_token] + offset_in_row,
+            order + (num_computed - first)[row_of_token],
+            order + (row_offsets - first)[row_of_token],
         )
-
-
-def _tensors(*arrays: "np.ndarray") -> list[torch.Tensor]:
-    """int64 tensors of the host's arrays (copies: they may be live)."""
-    return [torch.tensor(array, dtype=torch.int64) for array in arrays]

@@ -117,8 +117,8 @@ def _history_writes(
     hits = num_cached_prompt_tokens[hit_rows]
     hit_rows_of_token = np.repeat(hit_rows, hits)
     hit_positions = np.arange(int(hits.sum())) - np.repeat(np.cumsum(hits) - hits, hits)
-    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token.numpy()])
-    columns = np.concatenate([hit_positions, tokens.positions.numpy()])
+    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token])
+    columns = np.concatenate([hit_positions, tokens.positions])
     return (
         torch.from_numpy(token_slots[rows]),
         torch.from_numpy(columns),
