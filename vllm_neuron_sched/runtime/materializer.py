@@ -33,6 +33,14 @@ class Materializer(Generic[T]):
                 self._result.set_exception(exc)
         return self._result.result()
 
+    def peek(self) -> T | None:
+        """The result if some thread has materialized it (raising its
+        exception if that failed), else None without waiting: a reader that
+        only wants what is there already asks once."""
+        if not self._result.done():
+            return None
+        return self._result.result()
+
     def is_materialized(self) -> bool:
         """True once the function ran, whether it succeeded or raised."""
         return self._result.done()

@@ -114,12 +114,10 @@ class FlowObserver:
     def step_ended(self, step: int, state: StepState) -> None:
         """Main thread: how a step that enqueued work was classified."""
 
-    def retired(self, step: InFlightStep) -> None:
-        """Main thread: the step's tokens are now in host state."""
-
-    def request_finished(self, req_id: str, history: list[int]) -> None:
-        """Main thread: the request left; ``history`` may still end in
-        placeholders, filled as the steps that sampled them retire."""
+    def requests_finished(self, finished: "list[tuple[str, list[int]]]") -> None:
+        """Main thread: requests that left, each with its history, which may
+        still end in placeholders, filled as the steps that sampled them
+        retire."""
 
 
 class AsyncFlow:
@@ -146,7 +144,9 @@ class AsyncFlow:
         # The current step needed a device result the engine had not read.
         self._needed_unread = False
         self._observers: list[FlowObserver] = []
-        self._timed: list[FlowObserver] = []
+        # The observers that want timings (``is_timed``); none: nothing is
+        # timed.
+        self.timed: list[FlowObserver] = []
         self.async_steps = 0
         self.sync_fallback_steps = 0
         self.prefill_steps = 0
@@ -158,14 +158,14 @@ class AsyncFlow:
     def subscribe(self, observer: FlowObserver) -> None:
         self._observers.append(observer)
         if observer.is_timed:
-            self._timed.append(observer)
+            self.timed.append(observer)
             self.device.on_execution = self._executed
 
     def unsubscribe(self, observer: FlowObserver) -> None:
         self._observers.remove(observer)
-        if observer in self._timed:
-            self._timed.remove(observer)
-            if not self._timed:
+        if observer in self.timed:
+            self.timed.remove(observer)
+            if not self.timed:
                 self.device.on_execution = None
 
     # ---- one step, main thread ---------------------------------------------
@@ -186,11 +186,13 @@ class AsyncFlow:
             for step in self.in_flight:
                 if step.number > self.step - self.queue_depth:
                     self.dead_tokens += len(finished & step.placeholders.keys())
-        self.retire(keep=self.queue_depth - 1)
-        update = self.host.update(scheduler_output)
-        for req_id, history in update.finished:
+        # Every step but the depth - 1 newest: their outputs were read by now.
+        num_retired = max(0, len(self.in_flight) - (self.queue_depth - 1))
+        retired = [self._pop_oldest() for _ in range(num_retired)]
+        update = self.host.update(scheduler_output, retired)
+        if update.finished:
             for observer in self._observers:
-                observer.request_finished(req_id, history)
+                observer.requests_finished(update.finished)
         return update
 
     def end_step(
@@ -225,13 +227,8 @@ class AsyncFlow:
 
     def retire(self, keep: int = 0) -> None:
         """Applies steps to host state, oldest first, until at most ``keep``
-        are left; those only once the engine has read them. A step read
-        before the engine has is a host wait (with ``keep = depth - 1`` the
-        batch queue guarantees it has), so as many steps stay in flight as
-        the batch queue has."""
-        while self.in_flight:
-            if len(self.in_flight) <= keep and not self.is_read(self.in_flight[0]):
-                return
+        are left. A step read before the engine has is a host wait."""
+        while len(self.in_flight) > keep:
             self._retire_oldest()
 
     def settle_histories(self, histories: "list[list[int]]") -> None:
@@ -267,10 +264,16 @@ class AsyncFlow:
     def read(self, step: InFlightStep, is_needed: bool = True) -> "ModelRunnerOutput":
         """The step's output on the main thread. Needed ahead of the engine,
         it is a host wait, whether or not the device happens to be done."""
-        if is_needed and not self.is_read(step):
+        if self.is_output_rank:
+            output = step.output.peek()  # there once the engine has read it
+            if output is not None:
+                return output
+        elif self.is_read(step):
+            return step.output.get()
+        if is_needed:
             self.host_waits += 1
             self._needed_unread = True
-        if not self._timed or step.is_ready():
+        if not self.timed or step.result.done():
             return step.output.get()
         start = time.perf_counter()
         try:
@@ -278,13 +281,17 @@ class AsyncFlow:
         finally:
             self._report_wait(start)
 
-    def _retire_oldest(self, is_needed: bool = True) -> "ModelRunnerOutput":
+    def _pop_oldest(
+        self, is_needed: bool = True
+    ) -> "tuple[Placeholders, ModelRunnerOutput]":
         step = self.in_flight[0]
         output = self.read(step, is_needed)
         self.in_flight.popleft()
-        self.host.fill_placeholders(step.placeholders, output)
-        for observer in self._observers:
-            observer.retired(step)
+        return step.placeholders, output
+
+    def _retire_oldest(self, is_needed: bool = True) -> "ModelRunnerOutput":
+        placeholders, output = self._pop_oldest(is_needed)
+        self.host.fill_placeholders([(placeholders, output)])
         return output
 
     def stats(self) -> dict[str, int]:
@@ -300,7 +307,7 @@ class AsyncFlow:
 
     @contextmanager
     def host_section(self, name: str, step: int | None = None) -> Iterator[None]:
-        if not self._timed:
+        if not self.timed:
             yield
             return
         start = time.perf_counter()
@@ -308,14 +315,14 @@ class AsyncFlow:
             yield
         finally:
             end = time.perf_counter()
-            for observer in self._timed:
+            for observer in self.timed:
                 observer.host_work(
                     name, self.step if step is None else step, start, end
                 )
 
     def output_read(self, step: InFlightStep) -> "ModelRunnerOutput":
         """The output thread's read of a step (``AsyncStepOutput``)."""
-        if not self._timed:
+        if not self.timed:
             return step.output.get()
         if not step.is_ready():
             start = time.perf_counter()
@@ -326,11 +333,11 @@ class AsyncFlow:
 
     def _report_wait(self, start: float, step: int | None = None) -> None:
         end = time.perf_counter()
-        for observer in self._timed:
+        for observer in self.timed:
             observer.waited(self.step if step is None else step, start, end)
 
     def _executed(self, label: str, tag: int, start: float, end: float) -> None:
-        for observer in self._timed:
+        for observer in self.timed:
             observer.executed(label, tag, start, end)
 
 

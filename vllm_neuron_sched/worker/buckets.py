@@ -89,9 +89,11 @@ class Buckets:
     def pad_tokens(self, num_tokens: int) -> int:
         return _smallest_fitting(self.prefill, num_tokens)
 
-    def prefill_shape(self, row_tokens: list[int]) -> PrefillShape | None:
-        """The smallest declared shape holding a prefill step of these rows."""
-        return fitting_shape(row_tokens, self.prefill_shapes)
+    def pad_prefill(self, row_tokens: list[int]) -> PrefillShape | int:
+        """A prefill step's shape: the smallest declared one holding its
+        rows, else its tokens packed to a token-count bucket."""
+        shape = fitting_shape(row_tokens, self.prefill_shapes)
+        return shape if shape is not None else self.pad_tokens(sum(row_tokens))
 
 
 def _smallest_fitting(sizes: tuple[int, ...], n: int) -> int:

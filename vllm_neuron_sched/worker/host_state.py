@@ -8,8 +8,9 @@ device thread runs only what the main thread enqueues, and the executor's
 output thread only reads device results.
 """
 
+import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 # how many); the list itself is held, so a finished request's history is
 # completed too.
 Placeholders = dict[str, tuple[list[int], int, int]]
+# Steps that retired, oldest first: what each left, and its output.
+Retired = Sequence[tuple[Placeholders, "ModelRunnerOutput"]]
 # A prompt chunk's logprobs job for the forward (prompt_logprobs_on_device):
 # (batch row, chunk start, target ids, logprobs wanted, the request's buffer).
 PromptLogprobsJob = tuple[int, int, torch.Tensor, int, LogprobsTensors]
@@ -71,16 +74,24 @@ class TokenSlots:
         )
 
 
+# An empty per-row array (a library call, so building a StepUpdate enters no
+# function of this module).
+_no_rows = functools.partial(np.zeros, 0, np.int64)
+
+
 @dataclass
 class StepUpdate:
     """What applying one step's scheduler decisions leaves for the step."""
 
+    # The input batch, holding exactly this step's requests in row order.
+    batch: InputBatch
+
     # [num_reqs] each batch row's token slot.
-    token_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    token_slots: np.ndarray = field(default_factory=_no_rows)
     # [num_reqs] tokens each row runs as prompt chunks, all known on the
     # host: its prompt, or after a preemption its prompt and the outputs it
     # runs again. A row past them decodes: its input is a sampled token.
-    prompt_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prompt_lens: np.ndarray = field(default_factory=_no_rows)
     # Requests that left, with their histories (may still end in placeholders).
     finished: list[tuple[str, list[int]]] = field(default_factory=list)
     # Prompt chunks whose logprobs the forward computes, and the buffers that
@@ -91,15 +102,11 @@ class StepUpdate:
     # outputs + in-flight placeholders). With speculation the host may know
     # a step's accepted count before the scheduler does, so a decode row is
     # told by this count, never by the host's.
-    scheduled_num_tokens: np.ndarray = field(
-        default_factory=lambda: np.zeros(0, np.int64)
-    )
+    scheduled_num_tokens: np.ndarray = field(default_factory=_no_rows)
     # [num_reqs] the prompt tokens a new request's prefix-cache hit gave it
     # (0 on every other row): a step that writes the device histories (the
     # n-gram proposer reads them) writes those too.
-    num_cached_prompt_tokens: np.ndarray = field(
-        default_factory=lambda: np.zeros(0, np.int64)
-    )
+    num_cached_prompt_tokens: np.ndarray = field(default_factory=_no_rows)
 
 
 class HostRequestState:
@@ -151,11 +158,15 @@ class HostRequestState:
 
     # ---- the scheduler's decisions -----------------------------------------
 
-    def update(self, scheduler_output: "SchedulerOutput") -> StepUpdate:
-        """Applies the scheduler's decisions: the batch ends up holding exactly
-        this step's requests, in the row order of the step's inputs."""
+    def update(
+        self, scheduler_output: "SchedulerOutput", retired: "Retired" = ()
+    ) -> StepUpdate:
+        """The ``retired`` steps' tokens, then the scheduler's decisions: the
+        batch ends up holding exactly this step's requests, in the row order
+        of the step's inputs."""
         batch = self.batch
-        update = StepUpdate()
+        self.fill_placeholders(retired)
+        update = StepUpdate(batch)
         self._drop_finished(scheduler_output.finished_req_ids, update)
         cached = scheduler_output.scheduled_cached_reqs
         scheduled = scheduler_output.num_scheduled_tokens.keys()
@@ -303,14 +314,16 @@ class HostRequestState:
             history.extend([PLACEHOLDER_TOKEN_ID] * count)
         return placeholders
 
-    def fill_placeholders(
-        self, placeholders: Placeholders, output: "ModelRunnerOutput"
-    ) -> None:
-        """A retired step's tokens into the histories (finished requests'
-        too). A row that left ``count`` placeholders gets 1 to ``count``
-        tokens (a verify step fills as many as it accepted and drops the
-        rest). A history that was cut or replaced since (preemption) keeps
-        what it has."""
+    def fill_placeholders(self, retired: "Retired") -> None:
+        """Retired steps' tokens into the histories (finished requests'
+        too), oldest step first. A row that left ``count`` placeholders gets
+        1 to ``count`` tokens (a verify step fills as many as it accepted and
+        drops the rest). A history that was cut or replaced since
+        (preemption) keeps what it has."""
+        for placeholders, output in retired:
+            self._fill(placeholders, output)
+
+    def _fill(self, placeholders: Placeholders, output: "ModelRunnerOutput") -> None:
         batch = self.batch
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
             history, index, count = placeholders.get(req_id, (None, 0, 0))

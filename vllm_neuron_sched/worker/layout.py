@@ -165,59 +165,94 @@ def rectangle(
 @dataclass(frozen=True)
 class Layout:
     """Host side: the rows of a step whose tokens the host lays out, in its
-    padded shape. Its arithmetic is numpy's (it indexes the host's arrays,
-    and small numpy operations cost the host a fraction of torch's); its
-    ``sequences`` are the tensors every step kind's attention reads."""
+    padded shape, and what its forward reads for attention. The arithmetic
+    of where tokens sit is numpy's (it indexes the host's arrays, and small
+    numpy operations cost the host a fraction of torch's); the ``sequences``
+    are the tensors every step kind's attention reads."""
 
     num_scheduled: np.ndarray  # [num_reqs] int64 tokens each row runs
     row_offsets: np.ndarray  # [num_reqs] int64 each row's first token
     num_tokens_padded: int  # the static shape run on the device
     tokens: "Tokens"  # the real tokens
     sequences: Sequences
+    # [num_tokens_padded] int64, the positions the model runs.
+    positions: torch.Tensor
+    # Per attention group, the plain metadata the backend's builder turns
+    # into its own on the device thread (``device_forward``).
+    attn_inputs: "AttentionInputs"
+    # layer name -> [num_tokens_padded] int64 KV slot (padded: NO_KV_SLOT).
+    slot_mapping: dict[str, torch.Tensor]
+    # The step's own block tables (a draft model's forwards read them too).
+    tables: BlockTables
 
     @classmethod
-    def packed(
-        cls, num_scheduled: np.ndarray, num_computed: np.ndarray, num_padded: int
+    def of(
+        cls,
+        shape: PrefillShape | int,
+        num_scheduled: np.ndarray,
+        num_computed: np.ndarray,
+        batch: "InputBatch",
+        groups: "list[AttentionGroup]",
+        max_model_len: int,
     ) -> "Layout":
-        offsets = np.cumsum(num_scheduled) - num_scheduled
-        tokens = Tokens.of(num_scheduled, num_computed, offsets)
-        num_tokens = len(tokens.positions)
-        # The padding at position 0 of row 0, writing no KV.
-        positions = np.zeros(num_padded, dtype=np.int64)
-        positions[:num_tokens] = tokens.positions
-        seq_of_query = np.zeros(num_padded, dtype=np.int64)
-        seq_of_query[:num_tokens] = tokens.row_of_token
-        query_start_loc = np.zeros(len(num_scheduled) + 1, dtype=np.int32)
-        query_start_loc[1:] = offsets + num_scheduled
-        seq_lens = (num_computed + num_scheduled).astype(np.int32)
-        sequences = Sequences(
-            positions=torch.from_numpy(positions),
-            seq_of_query=torch.from_numpy(seq_of_query),
-            writes_kv=torch.from_numpy(np.arange(num_padded) < num_tokens),
-            query_start_loc=torch.from_numpy(query_start_loc),
-            seq_lens=torch.from_numpy(seq_lens),
-            num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
+        """``shape``: a declared prefill shape, packed or rectangular, or a
+        token count the rows are packed into (decode and mixed steps)."""
+        if isinstance(shape, int) or shape.packed:
+            size = shape if isinstance(shape, int) else shape.size
+            offsets = np.cumsum(num_scheduled) - num_scheduled
+            tokens = Tokens.of(num_scheduled, num_computed, offsets)
+            sequences = _packed(num_scheduled, num_computed, offsets, tokens, size)
+        else:
+            size = shape.size
+            offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
+            tokens = Tokens.of(num_scheduled, num_computed, offsets)
+            sequences = rectangle(
+                shape.rows,
+                shape.tokens,
+                torch.from_numpy(num_computed),
+                torch.from_numpy(num_scheduled),
+            )
+        tables = block_tables(batch, len(num_scheduled))
+        attn_inputs, slot_mapping = sequences.attention(groups, tables)
+        return cls(
+            num_scheduled,
+            offsets,
+            size,
+            tokens,
+            sequences,
+            sequences.model_positions(max_model_len),
+            attn_inputs,
+            slot_mapping,
+            tables,
         )
-        return cls(num_scheduled, offsets, num_padded, tokens, sequences)
 
-    @classmethod
-    def of_prefill(
-        cls, shape: PrefillShape, num_scheduled: np.ndarray, num_computed: np.ndarray
-    ) -> "Layout":
-        """A prefill step at its declared shape, packed or rectangular."""
-        if shape.packed:
-            return cls.packed(num_scheduled, num_computed, shape.size)
-        offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
-        tokens = Tokens.of(num_scheduled, num_computed, offsets)
-        sequences = rectangle(
-            shape.rows,
-            shape.tokens,
-            torch.from_numpy(num_computed),
-            torch.from_numpy(num_scheduled),
-        )
-        return cls(num_scheduled, offsets, shape.size, tokens, sequences)
+
+def _packed(
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+    offsets: np.ndarray,
+    tokens: "Tokens",
+    num_padded: int,
+) -> Sequences:
+    """Rows back to back, the padding at position 0 of row 0, writing no KV."""
+    num_tokens = len(tokens.positions)
+    positions = np.zeros(num_padded, dtype=np.int64)
+    positions[:num_tokens] = tokens.positions
+    seq_of_query = np.zeros(num_padded, dtype=np.int64)
+    seq_of_query[:num_tokens] = tokens.row_of_token
+    query_start_loc = np.zeros(len(num_scheduled) + 1, dtype=np.int32)
+    query_start_loc[1:] = offsets + num_scheduled
+    seq_lens = (num_computed + num_scheduled).astype(np.int32)
+    return Sequences(
+        positions=torch.from_numpy(positions),
+        seq_of_query=torch.from_numpy(seq_of_query),
+        writes_kv=torch.from_numpy(np.arange(num_padded) < num_tokens),
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens),
+        num_actual_tokens=num_tokens,
+        max_query_len=int(num_scheduled.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ never by the async output thread.
 import logging
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,6 @@ from vllm.model_executor.models.interfaces_base import is_text_generation_model
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     DraftTokenIds,
-    LogprobsTensors,
     ModelRunnerOutput,
 )
 from vllm.v1.sample.logits_processor import build_logitsprocs
@@ -65,7 +65,6 @@ from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
     StepUpdate,
 )
-from vllm_neuron_sched.worker.inputs import StepRows
 from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.pipeline import (
@@ -115,7 +114,7 @@ class _PendingStep:
 
     step: Step
     scheduler_output: "SchedulerOutput"
-    prompt_logprobs: dict[str, LogprobsTensors]  # final-chunk rows only
+    update: StepUpdate
 
 
 class NeuronSchedModelRunner:
@@ -380,7 +379,7 @@ class NeuronSchedModelRunner:
         self, scheduler_output: "SchedulerOutput", intermediate_tensors: Any = None
     ) -> ModelRunnerOutput | None:
         """Enqueues the step's forward; None: ``sample_tokens`` follows."""
-        with self.flow.host_section("execute_model"):
+        with self._host_section("execute_model"):
             update = self.flow.begin_step(scheduler_output)
             self.kv_cache.zero_blocks(
                 getattr(scheduler_output, "new_block_ids_to_zero", None)
@@ -391,9 +390,14 @@ class NeuronSchedModelRunner:
                 # no wait, so an idle worker holds no step it need not.
                 self.flow.retire_ready()
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            step = self._build_step(scheduler_output, update)
-            step.enqueue_forward(self.ctx, update.prompt_logprobs_jobs)
-            self._pending = _PendingStep(step, scheduler_output, update.prompt_logprobs)
+            kinds, ctx = self.step_kinds, self.ctx
+            step = kinds.start(ctx, self.host, scheduler_output, update)
+            if step.needs_host_tokens:
+                # A prompt position holds a token still on the device (not
+                # expected with these schedulers): wait for it, start again.
+                self.flow.retire()
+                step = kinds.start(ctx, self.host, scheduler_output, update)
+            self._pending = _PendingStep(step, scheduler_output, update)
             return None
 
     @torch.inference_mode()
@@ -405,17 +409,18 @@ class NeuronSchedModelRunner:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        with self.flow.host_section("sample_tokens"):
+        with self._host_section("sample_tokens"):
             step = pending.step
-            metadata = self.host.batch.sampling_metadata
-            self.flow.settle_histories(metadata.output_token_ids)
+            metadata = pending.update.batch.sampling_metadata
+            if metadata.output_token_ids:  # penalties or bad words read them
+                self.flow.settle_histories(metadata.output_token_ids)
             result, output = step.enqueue_sampling(
                 self.ctx,
                 metadata,
                 None
                 if grammar_output is None
                 else (pending.scheduler_output, grammar_output),
-                pending.prompt_logprobs,
+                pending.update.prompt_logprobs,
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).
@@ -428,25 +433,12 @@ class NeuronSchedModelRunner:
                 self._drafted = output
             return step_output
 
-    # ---- the step pipeline --------------------------------------------------
-
-    def _build_step(
-        self, scheduler_output: "SchedulerOutput", update: StepUpdate
-    ) -> Step:
-        """The step's kind, picked once from its rows, and its build."""
-
-        def build() -> Step:
-            rows = StepRows.of(self.host.batch, scheduler_output, update)
-            kind = self.step_kinds.of(rows.shape)
-            return kind.build(self.ctx, self.host, rows, update)
-
-        step = build()
-        if step.needs_host_tokens:
-            # A prompt position holds a token still on the device (not
-            # expected with these schedulers): wait for it, then rebuild.
-            self.flow.retire()
-            step = build()
-        return step
+    def _host_section(self, name: str) -> AbstractContextManager[None]:
+        """Times the section for the timed observers (the step timeline of
+        the benchmarks), if any."""
+        if not self.flow.timed:
+            return nullcontext()
+        return self.flow.host_section(name)
 
     def _dummy_forward(self, num_tokens: int) -> None:
         models = [self.model] + ([] if self.draft is None else [self.draft.model])

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_neuron_sched.worker.async_flow import FlowObserver, InFlightStep
+from vllm_neuron_sched.worker.async_flow import FlowObserver
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
@@ -25,24 +25,22 @@ class RankDigest(FlowObserver):
     rank when none drifts (``get_rank_state``).
 
     A finished request is digested once its history holds no placeholder
-    (the steps that sampled for it have retired). Ranks may retire the newest
-    step at different moments, so per-request digests are summed, which does
-    not depend on the order requests complete in.
+    (the steps that sampled for it have retired): at the next requests that
+    finish, or when the digest is asked for (after the flow drained). Ranks
+    may retire the newest step at different moments, so per-request digests
+    are summed, which does not depend on the order requests complete in.
     """
 
     def __init__(self) -> None:
         self._finished_sum = 0
         self._pending: list[tuple[str, list[int]]] = []
 
-    def request_finished(self, req_id: str, history: list[int]) -> None:
-        self._pending.append((req_id, history))
+    def requests_finished(self, finished: list[tuple[str, list[int]]]) -> None:
+        self._pending.extend(finished)
         self._digest_completed()
 
-    def retired(self, step: InFlightStep) -> None:
-        if self._pending:
-            self._digest_completed()
-
     def finished_hexdigest(self) -> str:
+        self._digest_completed()
         return f"{self._finished_sum:064x}"
 
     def _digest_completed(self) -> None:

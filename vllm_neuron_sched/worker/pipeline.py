@@ -82,7 +82,7 @@ class ReceivingStage(TokensStep):
     def run_model_on_device(self, ctx: "StepContext") -> Any:
         stage = ctx.stage
         assert stage is not None
-        received = stage.receive_hidden(ctx.model, self.inputs.num_tokens_padded)
+        received = stage.receive_hidden(ctx.model, self.inputs.layout.num_tokens_padded)
         return self.run_model_with(ctx, received)
 
 

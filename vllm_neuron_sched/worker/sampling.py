@@ -36,6 +36,23 @@ if TYPE_CHECKING:
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
+def sampling_inputs(
+    metadata: "SamplingMetadata",
+    token_slots: np.ndarray,
+    grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
+    req_ids: list[str],
+    snapshot: bool,
+) -> "tuple[SamplingMetadata, list[tuple[int, int]], StepMasks | None]":
+    """Host side, at enqueue: what a sampling execution of these rows reads
+    besides its logits: the metadata (a snapshot when ``snapshot``: a
+    threaded device), the history repairs, the step's own grammar masks."""
+    repairs = history_repairs(metadata.output_token_ids, token_slots)
+    if snapshot:
+        metadata = snapshot_sampling_metadata(metadata)
+    masks = None if grammar is None else own_masks(*grammar, req_ids)
+    return metadata, repairs, masks
+
+
 def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":
     """A copy the device may read while the host mutates the input batch
     (threaded devices only: an inline device samples at enqueue).

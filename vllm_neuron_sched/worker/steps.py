@@ -23,16 +23,13 @@ from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
-from vllm_neuron_sched.worker.inputs import StepInputs, StepRows, token_inputs
-from vllm_neuron_sched.worker.layout import Layout
+from vllm_neuron_sched.worker.inputs import StepInputs, token_inputs
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
     StepMasks,
-    history_repairs,
-    own_masks,
     prompt_logprobs_on_device,
     sample_on_device,
-    snapshot_sampling_metadata,
+    sampling_inputs,
 )
 
 if TYPE_CHECKING:
@@ -42,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.core.prefill_shapes import PrefillShape
     from vllm_neuron_sched.runtime import Device
     from vllm_neuron_sched.worker.buckets import Buckets
     from vllm_neuron_sched.worker.host_state import (
@@ -57,6 +55,57 @@ if TYPE_CHECKING:
 
     # The engine's grammar masks for a step's sampling, when it has any.
     Grammar = tuple[SchedulerOutput, GrammarOutput] | None
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The step's rows as the scheduler decided them, and what each does."""
+
+    req_ids: list[str]
+    num_scheduled: np.ndarray  # [num_reqs] tokens scheduled
+    # [num_reqs] tokens the row runs: all scheduled but the placeholder
+    # drafts vLLM pads a one-token prompt rest with under speculation.
+    num_run: np.ndarray
+    num_computed: np.ndarray  # [num_reqs] tokens computed before the step
+    # [num_reqs] tokens known as the scheduler counts them (prompt, outputs,
+    # in-flight placeholders): a row decodes when it runs the newest.
+    num_known: np.ndarray
+    num_drafts: np.ndarray  # [num_reqs] drafts scheduled (0 unless speculating)
+    # [num_reqs] True: the row runs its newest token (and drafts), its input
+    # id from the token table; False: prompt tokens the host holds.
+    is_decode_row: np.ndarray
+    shape: BatchShape
+
+    @classmethod
+    def of(
+        cls, scheduler_output: "SchedulerOutput", update: "StepUpdate"
+    ) -> "StepRows":
+        batch = update.batch
+        num_reqs = batch.num_reqs
+        req_ids = list(batch.req_ids)
+        scheduled = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_scheduled = np.array([scheduled[r] for r in req_ids], np.int64)
+        num_drafts = np.array([len(drafts.get(r, ())) for r in req_ids], np.int64)
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        num_known = update.scheduled_num_tokens
+        is_decode_row = (
+            (num_scheduled == 1 + num_drafts)
+            & (num_computed + 1 == num_known)
+            & (num_computed >= update.prompt_lens)
+        )
+        is_prefill_row = ~is_decode_row
+        shape = BatchShape.of(is_prefill_row.tolist())
+        return cls(
+            req_ids,
+            num_scheduled,
+            np.where(is_prefill_row, num_scheduled - num_drafts, num_scheduled),
+            num_computed,
+            num_known,
+            num_drafts,
+            is_decode_row,
+            shape,
+        )
 
 
 @dataclass
@@ -94,6 +143,12 @@ class Step(Protocol):
     num_new_tokens: np.ndarray
     # Its sampling also proposes drafts (the scheduler may ask for them).
     drafts: bool
+    # An input token is still on the device where the host must hold it
+    # (not expected with our schedulers): the runner retires what is in
+    # flight and starts the step again.
+    needs_host_tokens: bool
+    # Rows whose input ids the forward reads from the token table.
+    num_table_rows: int
 
     @classmethod
     def build(
@@ -103,18 +158,6 @@ class Step(Protocol):
         rows: StepRows,
         update: "StepUpdate",
     ) -> "Step": ...
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """An input token is still on the device where the host must hold it
-        (not expected with our schedulers): the runner retires what is in
-        flight and builds the step again."""
-        ...
-
-    @property
-    def num_table_rows(self) -> int:
-        """Rows whose input ids the forward reads from the token table."""
-        ...
 
     def enqueue_forward(
         self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"
@@ -145,6 +188,22 @@ class StepKinds:
     # check refuses such a scheduler first; this is the backstop).
     no_mixed_reason: str = ""
 
+    def start(
+        self,
+        ctx: StepContext,
+        host: "HostRequestState",
+        scheduler_output: "SchedulerOutput",
+        update: "StepUpdate",
+    ) -> Step:
+        """The step of the scheduler's decisions: its kind, picked once from
+        its rows, builds it and enqueues its forward, unless it needs host
+        tokens (then nothing is enqueued)."""
+        rows = StepRows.of(scheduler_output, update)
+        step = self.of(rows.shape).build(ctx, host, rows, update)
+        if not step.needs_host_tokens:
+            step.enqueue_forward(ctx, update.prompt_logprobs_jobs)
+        return step
+
     def of(self, shape: BatchShape) -> type[Step]:
         if shape is BatchShape.PREFILL:
             return self.prefill
@@ -159,9 +218,9 @@ class StepKinds:
 
 
 class TokensStep:
-    """A step whose input tokens the host laid out: its kind says where they
-    sit (``of_layout``); the device gathers decode rows' ids from the token
-    table, runs the model and samples."""
+    """A step whose input tokens the host laid out: its kind says at which
+    shape (``padded_shape``); the device gathers decode rows' ids from the
+    token table, runs the model and samples."""
 
     shape: ClassVar[BatchShape]
     drafts: ClassVar[bool] = False
@@ -170,12 +229,27 @@ class TokensStep:
         self.inputs = inputs
         self.req_ids = inputs.req_ids
         self.num_new_tokens = num_new_tokens
+        self.needs_host_tokens = inputs.needs_host_tokens
+        self.num_table_rows = inputs.num_table_rows
         self._logits: DeviceFuture | None = None
 
     @classmethod
-    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
-        """Where this kind's rows sit in its static shape."""
+    def padded_shape(cls, buckets: "Buckets", rows: StepRows) -> "PrefillShape | int":
+        """This kind's static shape for ``rows`` (``Layout.of``)."""
         raise NotImplementedError
+
+    @classmethod
+    def inputs_of(
+        cls, ctx: StepContext, rows: StepRows, update: "StepUpdate"
+    ) -> StepInputs:
+        return token_inputs(
+            update.batch,
+            rows,
+            cls.padded_shape(ctx.buckets, rows),
+            update.token_slots,
+            ctx.kv_cache.attn_groups,
+            ctx.max_model_len,
+        )
 
     @classmethod
     def build(
@@ -185,24 +259,8 @@ class TokensStep:
         rows: StepRows,
         update: "StepUpdate",
     ) -> "TokensStep":
-        layout = cls.of_layout(ctx.buckets, rows)
-        inputs = token_inputs(
-            host.batch,
-            rows,
-            layout,
-            update.token_slots,
-            ctx.kv_cache.attn_groups,
-            ctx.max_model_len,
-        )
+        inputs = cls.inputs_of(ctx, rows, update)
         return cls(inputs, inputs.is_sampled.astype(np.int64))
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        return self.inputs.needs_host_tokens
-
-    @property
-    def num_table_rows(self) -> int:
-        return self.inputs.num_table_rows
 
     def enqueue_forward(
         self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"
@@ -222,16 +280,17 @@ class TokensStep:
         assert self._logits is not None, "enqueue_forward first"
         result = self._logits
         if inputs.has_samples:
-            repairs = history_repairs(metadata.output_token_ids, inputs.token_slots)
-            if not ctx.device.runs_at_enqueue:
-                metadata = snapshot_sampling_metadata(metadata)
             result = ctx.device.enqueue(
                 self.sample_on_device,
                 ctx,
                 self._logits,
-                metadata,
-                repairs,
-                None if grammar is None else own_masks(*grammar, inputs.req_ids),
+                *sampling_inputs(
+                    metadata,
+                    inputs.token_slots,
+                    grammar,
+                    inputs.req_ids,
+                    snapshot=not ctx.device.runs_at_enqueue,
+                ),
             )
         output = make_output_materializer(
             result,
@@ -260,7 +319,7 @@ class TokensStep:
                     ctx.sampler,
                     logprobs_mode,
                     hidden_states,
-                    int(inputs.row_offsets[row]),
+                    int(inputs.layout.row_offsets[row]),
                     *job,
                 )
             if not inputs.has_samples:
@@ -274,15 +333,15 @@ class TokensStep:
     def run_model_with(
         self, ctx: StepContext, intermediate_tensors: "IntermediateTensors | None"
     ) -> Any:
-        inputs = self.inputs
+        layout = self.inputs.layout
         return run_model(
             ctx.model,
             ctx.vllm_config,
-            inputs.input_ids,
-            inputs.positions,
-            inputs.attn_inputs,
-            inputs.slot_mapping,
-            inputs.num_tokens_padded,
+            self.inputs.input_ids,
+            layout.positions,
+            layout.attn_inputs,
+            layout.slot_mapping,
+            layout.num_tokens_padded,
             intermediate_tensors,
         )
 
@@ -307,26 +366,14 @@ class TokensStep:
         )
 
 
-def prefill_layout(
-    buckets: "Buckets", num_scheduled: np.ndarray, num_computed: np.ndarray
-) -> Layout:
-    """Prompt chunks at their declared prefill shape, else packed to a
-    token-count bucket."""
-    shape = buckets.prefill_shape(num_scheduled.tolist())
-    if shape is not None:
-        return Layout.of_prefill(shape, num_scheduled, num_computed)
-    padded = buckets.pad_tokens(int(num_scheduled.sum()))
-    return Layout.packed(num_scheduled, num_computed, padded)
-
-
 class PrefillStep(TokensStep):
     """Prompt chunks only, at a static prefill shape."""
 
     shape = BatchShape.PREFILL
 
     @classmethod
-    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
-        return prefill_layout(buckets, rows.num_scheduled, rows.num_computed)
+    def padded_shape(cls, buckets: "Buckets", rows: StepRows) -> "PrefillShape | int":
+        return buckets.pad_prefill(rows.num_run.tolist())
 
 
 class DecodeStep(TokensStep):
@@ -336,9 +383,8 @@ class DecodeStep(TokensStep):
     shape = BatchShape.DECODE
 
     @classmethod
-    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
-        padded = buckets.pad_decode(len(rows.req_ids))
-        return Layout.packed(rows.num_scheduled, rows.num_computed, padded)
+    def padded_shape(cls, buckets: "Buckets", rows: StepRows) -> int:
+        return buckets.pad_decode(len(rows.req_ids))
 
 
 class MixedStep(TokensStep):
@@ -348,9 +394,8 @@ class MixedStep(TokensStep):
     shape = BatchShape.MIXED
 
     @classmethod
-    def of_layout(cls, buckets: "Buckets", rows: StepRows) -> Layout:
-        padded = buckets.pad_tokens(int(rows.num_scheduled.sum()))
-        return Layout.packed(rows.num_scheduled, rows.num_computed, padded)
+    def padded_shape(cls, buckets: "Buckets", rows: StepRows) -> int:
+        return buckets.pad_tokens(int(rows.num_run.sum()))
 
 
 PLAIN_STEPS = StepKinds(PrefillStep, DecodeStep, MixedStep)

@@ -88,7 +88,8 @@ class DraftModel:
     def prefill(self, inputs: "StepInputs") -> None:
         """The draft over a prefill step's tokens, with the target's attention
         inputs (same blocks, same KV slots)."""
-        commons = {g.kv_cache_group_id: common for g, common in inputs.attn_inputs}
+        layout = inputs.layout
+        commons = {g.kv_cache_group_id: common for g, common in layout.attn_inputs}
         draft_inputs = [(g, commons[g.kv_cache_group_id]) for g in self.groups]
         slot_mapping = {
             name: common.slot_mapping
@@ -97,10 +98,10 @@ class DraftModel:
         }
         self._run(
             inputs.input_ids,
-            inputs.positions,
+            layout.positions,
             draft_inputs,
             slot_mapping,
-            inputs.num_tokens_padded,
+            layout.num_tokens_padded,
         )
 
     def _run(

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_neuron_sched.worker.inputs import StepInputs, StepRows, token_inputs
+from vllm_neuron_sched.worker.inputs import StepInputs
 from vllm_neuron_sched.worker.results import Sampled
 from vllm_neuron_sched.worker.spec.proposer import after_prompt_sampling
 from vllm_neuron_sched.worker.spec.verify import VerifyStep
-from vllm_neuron_sched.worker.steps import PrefillStep, StepKinds, prefill_layout
+from vllm_neuron_sched.worker.steps import PrefillStep, StepKinds, StepRows
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -58,22 +58,21 @@ class ProposingPrefillStep(PrefillStep):
     ) -> "ProposingPrefillStep":
         # vLLM pads a prompt whose prefix-cache hit leaves it one token to
         # ``1 + K`` tokens with K placeholder drafts (uniform verify shapes
-        # for its CUDA graphs). Such a row runs its one prompt token and
-        # samples from it; the scheduler counts the placeholders as rejected
-        # drafts, so they are the row's placeholders too.
-        num_scheduled = rows.num_scheduled - rows.num_drafts
-        layout = prefill_layout(ctx.buckets, num_scheduled, rows.num_computed)
-        batch, slots = host.batch, update.token_slots
-        inputs = token_inputs(
-            batch, rows, layout, slots, ctx.kv_cache.attn_groups, ctx.max_model_len
-        )
+        # for its CUDA graphs). Such a row runs its one prompt token
+        # (``rows.num_run``) and samples from it; the scheduler counts the
+        # placeholders as rejected drafts, so they are the row's
+        # placeholders too.
+        inputs = cls.inputs_of(ctx, rows, update)
         return cls(
             inputs,
             inputs.is_sampled.astype(np.int64) + rows.num_drafts,
             _history_writes(
-                batch, update.num_cached_prompt_tokens, slots, layout.tokens
+                update.batch,
+                update.num_cached_prompt_tokens,
+                update.token_slots,
+                inputs.layout.tokens,
             ),
-            torch.from_numpy(rows.num_computed + num_scheduled),
+            torch.from_numpy(rows.num_computed + rows.num_run),
         )
 
     def run_model_on_device(self, ctx: "StepContext") -> torch.Tensor:
@@ -100,7 +99,7 @@ class ProposingPrefillStep(PrefillStep):
                 self.inputs.sample_slots,
                 self.next_positions,
                 sampled.tokens,
-                self.inputs.tables,
+                self.inputs.layout.tables,
             )
         return replace(sampled, drafts=drafts)
 

@@ -51,9 +51,8 @@ if TYPE_CHECKING:
         PromptLogprobsJob,
         StepUpdate,
     )
-    from vllm_neuron_sched.worker.inputs import StepRows
     from vllm_neuron_sched.worker.layout import AttentionInputs
-    from vllm_neuron_sched.worker.steps import StepContext
+    from vllm_neuron_sched.worker.steps import StepContext, StepRows
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
@@ -211,6 +210,7 @@ class VerifyStep:
         self.req_ids = req_ids
         self.plan = plan
         self.num_new_tokens = num_new_tokens
+        self.num_table_rows = plan.num_rows
         self._forward: DeviceFuture | None = None
 
     @classmethod
@@ -223,7 +223,7 @@ class VerifyStep:
     ) -> "VerifyStep":
         assert ctx.speculation is not None
         plan = plan_verify(
-            host.batch,
+            update.batch,
             rows.num_drafts,
             update.token_slots,
             ctx.buckets.pad_decode(len(rows.req_ids)),
@@ -234,10 +234,6 @@ class VerifyStep:
         # Every row adds its newest token and its drafts, as the scheduler
         # counts them (placeholders until the step retires).
         return cls(rows.req_ids, plan, rows.num_scheduled.astype(np.int64))
-
-    @property
-    def num_table_rows(self) -> int:
-        return self.plan.num_rows
 
     def enqueue_forward(
         self, ctx: "StepContext", prompt_logprobs_jobs: "list[PromptLogprobsJob]"
