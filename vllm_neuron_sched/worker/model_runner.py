@@ -2,13 +2,15 @@
 
 One step, on the worker's main thread::
 
-    execute_model:  flow.begin_step (retire the steps the engine has read,
-                    then host state from the scheduler's decisions) ->
-                    zero new KV blocks -> the step's rows -> its kind
-                    (``step_kinds``) builds it -> step.enqueue_forward
+    execute_model:  flow.begin_step (the retired steps' tokens and the
+                    scheduler's decisions into host state) -> zero new KV
+                    blocks -> step_kinds.start (the step's rows pick its
+                    kind, which builds it and enqueues its forward)
     sample_tokens:  step.enqueue_sampling -> placeholders in host state ->
                     flow.end_step (in flight, counted; the output now in
                     sync mode, a future in async mode)
+
+Each call enters each module once (``testing/step_hops.py``).
 
 Every step that runs anything returns its output from ``sample_tokens``,
 also one whose rows all run prompt chunks that are not their last (it samples

@@ -125,13 +125,30 @@ def rejection_sample(
         )
         accept = torch.where(is_greedy, accept, random_accept)
         recovered = torch.where(is_greedy, recovered, random_recovered)
+    _fill_rows(out, drafts, num_drafts, is_draft, accept, recovered, bonus)
+    return out
+
+
+def _fill_rows(
+    out: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    is_draft: torch.Tensor,
+    accept: torch.Tensor,
+    recovered: torch.Tensor,
+    bonus: torch.Tensor,
+) -> None:
+    """Each row of ``out``: its leading run of accepted drafts, then the
+    first rejected draft's replacement, or the bonus token when all were
+    accepted. ``accept`` and ``recovered``: per draft (``is_draft``)."""
+    rows, k = is_draft.shape
     accepted = torch.zeros((rows, k), dtype=torch.int64)
     accepted[is_draft] = accept.long()
     replacement = torch.zeros((rows, k), dtype=torch.int64)
     replacement[is_draft] = recovered
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # the leading run
     out[:, :k] = torch.where(
-        offsets[None, :] < num_accepted[:, None], drafts[:, :k], REJECTED
+        torch.arange(k)[None, :] < num_accepted[:, None], drafts[:, :k], REJECTED
     )
     last = torch.where(
         num_accepted < num_drafts,
@@ -139,7 +156,6 @@ def rejection_sample(
         bonus.long(),
     )
     out.scatter_(1, num_accepted[:, None], last[:, None].to(torch.int32))
-    return out
 
 
 def _random_rule(
