@@ -85,7 +85,10 @@ class Sequences:
 
     def model_positions(self, max_model_len: int) -> torch.Tensor:
         """The positions the model runs: padded queries of a rectangle may
-        reach past the model's (they write no KV and nothing reads them)."""
+        reach past the model's (they write no KV and nothing reads them).
+        Every position is below ``max_seq_len``."""
+        if self.max_seq_len <= max_model_len:
+            return self.positions
         return self.positions.clamp(max=max_model_len - 1)
 
     def attention(

@@ -96,10 +96,13 @@ class StepRows:
         )
         is_prefill_row = ~is_decode_row
         shape = BatchShape.of(is_prefill_row.tolist())
+        num_run = num_scheduled
+        if drafts:
+            num_run = np.where(is_prefill_row, num_scheduled - num_drafts, num_run)
         return cls(
             req_ids,
             num_scheduled,
-            np.where(is_prefill_row, num_scheduled - num_drafts, num_scheduled),
+            num_run,
             num_computed,
             num_known,
             num_drafts,
