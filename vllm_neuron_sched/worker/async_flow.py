@@ -255,20 +255,15 @@ class AsyncFlow:
         self.retire()
         self._needed_unread = False
 
-    def is_read(self, step: InFlightStep) -> bool:
-        """The engine has this step's output (see the module docstring)."""
-        if self.is_output_rank:
-            return step.is_materialized()
-        return step.number <= self.step - self.queue_depth
-
     def read(self, step: InFlightStep, is_needed: bool = True) -> "ModelRunnerOutput":
         """The step's output on the main thread. Needed ahead of the engine,
         it is a host wait, whether or not the device happens to be done."""
+        # Whether the engine has read it (see the module docstring).
         if self.is_output_rank:
             output = step.output.peek()  # there once the engine has read it
             if output is not None:
                 return output
-        elif self.is_read(step):
+        elif step.number <= self.step - self.queue_depth:
             return step.output.get()
         if is_needed:
             self.host_waits += 1
@@ -307,9 +302,8 @@ class AsyncFlow:
 
     @contextmanager
     def host_section(self, name: str, step: int | None = None) -> Iterator[None]:
-        if not self.timed:
-            yield
-            return
+        """Reports the section to the timed observers; callers enter it only
+        when there are some (``timed``)."""
         start = time.perf_counter()
         try:
             yield
