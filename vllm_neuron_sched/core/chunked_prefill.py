@@ -104,9 +104,10 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
             view = restricted_view(self, [], [])
         with view, chunks:
             output = super().schedule(*args, **kwargs)
-        self.last_step_kind = (
-            plan.kind if output.num_scheduled_tokens else StepPlanKind.IDLE
-        )
+        if output.num_scheduled_tokens:
+            # An idle step (a batch queue's decodes all in flight) gives no
+            # decode a turn: interleaving goes by the last step that ran.
+            self.last_step_kind = plan.kind
         self.prefill_declined = (
             plan.kind is StepPlanKind.PREFILL and not output.num_scheduled_tokens
         )
