@@ -47,8 +47,9 @@ def test_fault_in_a_chunk_that_samples_nothing(stepper: EngineStepper) -> None:
     long = Req("long", prompt_len=150, max_tokens=8, add_at=3)
     _, keep_alone = stepper.run([Req("keep", prompt_len=10, max_tokens=16)])
 
+    # Step 3: the batch change (keep leaves, long joins), then the forward.
     rows, client = stepper.run(
-        [keep, long], before_step={3: lambda: stepper.inject_device_fault(1)}
+        [keep, long], before_step={3: lambda: stepper.inject_device_fault(2)}
     )
     table = format_table(rows)
     assert rows[3].scheduled == {"long": 32}, table  # the faulted step

@@ -83,9 +83,10 @@ def test_soak_async_matches_each_request_alone_in_sync(checkpoint_dir: str) -> N
 
 
 def test_fault_in_a_first_chunk_reaches_llm_generate(checkpoint_dir: str) -> None:
-    """The first device execution (eager: no warm-up) is the first 64-token
-    chunk of a 150-token prompt, which samples nothing: its request returns
-    an error and no token, the other request its tokens, and no hang."""
+    """The second device execution (eager: no warm-up; the first is the
+    batch change, the requests joining) is the first 64-token chunk of a
+    150-token prompt, which samples nothing: its request returns an error
+    and no token, the other request its tokens, and no hang."""
     long, short = [10 + i % 50 for i in range(150)], [10, 11, 12, 13]
     records = generate_in_subprocess(
         checkpoint_dir,
@@ -97,7 +98,7 @@ def test_fault_in_a_first_chunk_reaches_llm_generate(checkpoint_dir: str) -> Non
             "max_num_batched_tokens": 64,
             "enforce_eager": True,
         },
-        env={"VLLM_NEURON_SCHED_FAULT_AT_EXECUTION": "1"},
+        env={"VLLM_NEURON_SCHED_FAULT_AT_EXECUTION": "2"},
         timeout_s=240,
     )
     assert (records[0]["finish_reason"], records[0]["token_ids"]) == ("error", [])

@@ -23,7 +23,6 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-from vllm.v1.sample.logits_processor import LogitsProcessors
 
 from vllm_neuron_sched.platform import (
     ASYNC_CHUNKED_PREFILL_SCHEDULER as ASYNC_SCHEDULER,
@@ -154,7 +153,7 @@ def toy_runner(
     rank_zero = SimpleNamespace(rank_in_group=0, world_size=1)
     runner = NeuronSchedModelRunner(config, rank_zero, make_device(label="tp0"))  # type: ignore[arg-type]
     runner.model = ToyModel(repeat_bias, max_delay_s)
-    batch = runner.host.allocate_batch([16], MAX_LEN, LogitsProcessors())
+    batch = runner.host.allocate_batch([16], MAX_LEN)
     MainThreadOnlyArray.foreign_writers.clear()
     batch.token_ids_cpu = batch.token_ids_cpu.view(MainThreadOnlyArray)
     batch.num_tokens_no_spec = batch.num_tokens_no_spec.view(MainThreadOnlyArray)

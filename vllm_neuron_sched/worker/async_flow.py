@@ -30,9 +30,8 @@ materialized (the executor's output thread, or the engine thread in-process,
 called ``get_output``); on the other TP ranks, whose outputs nobody reads,
 the batch queue's depth bounds it: when step N arrives, the engine has
 processed every step up to N - depth. So up to depth - 1 steps stay in flight
-at the start of a step; a step whose sampling reads token histories
-(penalties, bad words) retires all but the newest first, since the table
-holds only each request's newest token (``settle_histories``).
+at the start of a step. Sampling never reads the host's histories: the
+device keeps its own (``sampling_state.py``).
 
 Threads: the worker's main thread owns this object. The device thread only
 runs the executions the main thread enqueues. The executor's output thread
@@ -51,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vllm_neuron_sched.core.step_view import BatchShape
-from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -230,17 +228,6 @@ class AsyncFlow:
         are left. A step read before the engine has is a host wait."""
         while len(self.in_flight) > keep:
             self._retire_oldest()
-
-    def settle_histories(self, histories: "list[list[int]]") -> None:
-        """Before a sampling that reads token histories (penalties, bad
-        words: ``histories`` non-empty): no history may end in two
-        placeholders, since the sampling takes only the newest token from
-        the table. Only a batch queue deeper than two leaves them so."""
-        if len(self.in_flight) > 1 and any(
-            len(history) > 1 and history[-2] == PLACEHOLDER_TOKEN_ID
-            for history in histories
-        ):
-            self.retire(keep=1)
 
     def retire_ready(self) -> None:
         """Applies the steps whose device results are there already: in a

@@ -21,12 +21,15 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from vllm_neuron_sched.worker.sampling_state import (
+    BatchChange,
+    recording_processors,
+)
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID, DeviceTokens
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.sample.logits_processor import LogitsProcessors
 
 # req_id -> (the request's output_token_ids, index of its first placeholder,
 # how many); the list itself is held, so a finished request's history is
@@ -107,6 +110,9 @@ class StepUpdate:
     # (0 on every other row): a step that writes the device histories (the
     # n-gram proposer reads them) writes those too.
     num_cached_prompt_tokens: np.ndarray = field(default_factory=_no_rows)
+    # The batch's change for the device's logits processors and histories
+    # (``sampling_state.py``); None: nothing changed.
+    batch_change: BatchChange | None = None
 
 
 class HostRequestState:
@@ -128,13 +134,13 @@ class HostRequestState:
         # req_id -> prompt logprobs wanted, until its last prompt chunk ran.
         self.num_prompt_logprobs: dict[str, int] = {}
         self.input_batch: InputBatch | None = None
+        # The input batch's logits processors: a recorder of its changes,
+        # which the device's processors take (``sampling_state.py``).
+        processors, self._recorder = recording_processors()
+        self._processors = processors
 
     def allocate_batch(
-        self,
-        block_sizes: list[int],
-        max_model_len: int,
-        logitsprocs: "LogitsProcessors",
-        **kwargs: Any,
+        self, block_sizes: list[int], max_model_len: int, **kwargs: Any
     ) -> InputBatch:
         """The persistent batch, once the KV cache's block sizes are known.
         ``kwargs``: more of ``InputBatch``'s arguments."""
@@ -146,7 +152,7 @@ class HostRequestState:
             vocab_size=self.vocab_size,
             block_sizes=block_sizes,
             max_num_blocks_per_req=[cdiv(max_model_len, bs) for bs in block_sizes],
-            logitsprocs=logitsprocs,
+            logitsprocs=self._processors,
             **kwargs,
         )
         return self.input_batch
@@ -180,6 +186,12 @@ class HostRequestState:
             batch.add_request(state)
         batch.condense()
         batch.refresh_metadata()
+        update.batch_change = self._batch_change(
+            to_add,
+            len(scheduler_output.scheduled_new_reqs),
+            cached.resumed_req_ids,
+            [req_id for req_id, _ in update.finished],
+        )
         req_ids = list(batch.req_ids)
         update.token_slots = self.slots.of(req_ids)
         update.prompt_lens = self._per_row(
@@ -192,6 +204,38 @@ class HostRequestState:
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
         return update
+
+    def _batch_change(
+        self,
+        added: list[CachedRequestState],
+        num_new: int,
+        resumed: set[str],
+        finished: list[str],
+    ) -> BatchChange | None:
+        """What vLLM's input batch told its processors this step, each added
+        request named by its id, with (a copy of) the outputs its device
+        history starts from when it is new (``added[:num_new]``) or resumed;
+        and the requests that finished."""
+        updates = self._recorder.updates
+        batch_update = updates.pop() if updates else None
+        if batch_update is None and not finished:
+            return None
+        rows = []
+        if batch_update is not None:
+            req_id_of = {id(state.output_token_ids): state.req_id for state in added}
+            starting = {state.req_id for state in added[:num_new]} | resumed
+            for index, params, prompt, history in batch_update.added:
+                req_id = req_id_of[id(history)]
+                start = list(history) if req_id in starting else None
+                rows.append((index, params, prompt, req_id, start))
+        return BatchChange(
+            batch_size=self.batch.num_reqs,
+            removed=() if batch_update is None else batch_update.removed,
+            added=rows,
+            moved=() if batch_update is None else batch_update.moved,
+            finished=finished,
+            batch_changed=batch_update is not None,
+        )
 
     def _drop_finished(self, finished_req_ids: set[str], update: StepUpdate) -> None:
         for req_id in finished_req_ids:

@@ -75,6 +75,7 @@ from vllm_neuron_sched.worker.pipeline import (
     stage_kinds,
 )
 from vllm_neuron_sched.worker.results import DraftedOutput
+from vllm_neuron_sched.worker.sampling_state import SamplingState
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
 from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
@@ -217,6 +218,17 @@ class NeuronSchedModelRunner:
                 history_len=0 if spec is None else spec.history_len,
                 num_drafts=0 if spec is None else spec.num_tokens,
             ),
+            # vLLM's processors (built-in and the user's: refused with
+            # speculation, as vLLM does), on the device side.
+            sampling=SamplingState(
+                build_logitsprocs(
+                    vllm_config,
+                    torch.device("cpu"),
+                    False,
+                    False,
+                    tuple(self.model_config.logits_processors or ()),
+                )
+            ),
             buckets=buckets,
             kv_cache=KVCache(vllm_config, torch_device, self.device),
             # Our schedulers finish a failed step's requests and serve the
@@ -285,18 +297,12 @@ class NeuronSchedModelRunner:
         block_sizes = self.kv_cache.allocate(kv_cache_config)
         if self.draft is not None:
             self.draft.bind(self.kv_cache.draft_groups)
-        processors = self.model_config.logits_processors
         self.host.allocate_batch(
             block_sizes,
             self.max_model_len,
-            build_logitsprocs(
-                self.vllm_config,
-                torch.device("cpu"),
-                False,
-                False,
-                tuple(processors or ()),
-            ),
-            logitsprocs_need_output_token_ids=bool(processors),
+            # The user's processors may read the histories, as vLLM tells
+            # its sampler (``sampling_state.py``: the device's).
+            logitsprocs_need_output_token_ids=bool(self.model_config.logits_processors),
         )
 
     def warming_up_model(self) -> None:
@@ -386,6 +392,12 @@ class NeuronSchedModelRunner:
             self.kv_cache.zero_blocks(
                 getattr(scheduler_output, "new_block_ids_to_zero", None)
             )
+            if update.batch_change is not None:
+                # Requests joined or left: the device's logits processors
+                # and histories take it before anything samples.
+                self.device.enqueue_state_update(
+                    self.ctx.sampling.update, update.batch_change
+                )
             if not scheduler_output.total_num_scheduled_tokens:
                 # Nothing to run (the engine only tells of finished
                 # requests): bring host state up to date where that costs
@@ -413,16 +425,12 @@ class NeuronSchedModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         with self._host_section("sample_tokens"):
             step = pending.step
-            metadata = pending.update.batch.sampling_metadata
-            if metadata.output_token_ids:  # penalties or bad words read them
-                self.flow.settle_histories(metadata.output_token_ids)
             result, output = step.enqueue_sampling(
                 self.ctx,
-                metadata,
+                pending.update,
                 None
                 if grammar_output is None
                 else (pending.scheduler_output, grammar_output),
-                pending.update.prompt_logprobs,
             )
             # Placeholders once sampling is enqueued: it reads the histories
             # as they were (at enqueue, or the snapshot).

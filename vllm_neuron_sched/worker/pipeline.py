@@ -107,7 +107,7 @@ class SendingStage(TokensStep):
         ctx: "StepContext",
         logits: None,
         metadata: "SamplingMetadata",
-        repairs: list[tuple[int, int]],
+        needs_histories: bool,
         grammar: "StepMasks | None",
     ) -> Sampled:
         stage = ctx.stage
@@ -127,12 +127,14 @@ class SamplingStage(TokensStep):
         ctx: "StepContext",
         logits: torch.Tensor,
         metadata: "SamplingMetadata",
-        repairs: list[tuple[int, int]],
+        needs_histories: bool,
         grammar: "StepMasks | None",
     ) -> Sampled:
         stage = ctx.stage
         assert stage is not None
-        sampled = super().sample_on_device(ctx, logits, metadata, repairs, grammar)
+        sampled = super().sample_on_device(
+            ctx, logits, metadata, needs_histories, grammar
+        )
         stage.share_tokens(sampled.tokens)
         return sampled
 

@@ -1,12 +1,13 @@
-"""On-device sampling and the output that carries its result back to the host.
+"""On-device sampling and what the host hands it.
 
 The sampler runs on the device (vLLM's ``Sampler``: penalties, top-k/p, min-p,
-seeds, logprobs). On a threaded device everything it reads is a snapshot taken
-at enqueue, because the main thread builds the next step while this one
-samples; an inline device samples at enqueue and reads the batch as it is.
+seeds, logprobs) with the device's logits processors and output histories
+(``sampling_state.py``). On a threaded device the rest of what it reads is a
+snapshot taken at enqueue, because the main thread builds the next step while
+this one samples; an inline device samples at enqueue and reads the batch as
+it is.
 """
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -16,15 +17,8 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.logits_processor.builtin import (
-    LogitBiasLogitsProcessor,
-    MinPLogitsProcessor,
-    MinTokensLogitsProcessor,
-)
 
 from vllm_neuron_sched.worker.results import Sampled
-from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 logger = init_logger(__name__)
 
@@ -33,51 +27,36 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
 def sampling_inputs(
     metadata: "SamplingMetadata",
-    token_slots: np.ndarray,
     grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     req_ids: list[str],
     snapshot: bool,
-) -> "tuple[SamplingMetadata, list[tuple[int, int]], StepMasks | None]":
+) -> "tuple[SamplingMetadata, bool, StepMasks | None]":
     """Host side, at enqueue: what a sampling execution of these rows reads
-    besides its logits: the metadata (a snapshot when ``snapshot``: a
-    threaded device), the history repairs, the step's own grammar masks."""
-    repairs = history_repairs(metadata.output_token_ids, token_slots)
+    besides its logits and the device's sampling state: the metadata (a
+    snapshot when ``snapshot``: a threaded device), whether the sampler
+    reads histories, the step's own grammar masks."""
+    needs_histories = bool(metadata.output_token_ids)
     if snapshot:
         metadata = snapshot_sampling_metadata(metadata)
     masks = None if grammar is None else own_masks(*grammar, req_ids)
-    return metadata, repairs, masks
+    return metadata, needs_histories, masks
 
 
 def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":
     """A copy the device may read while the host mutates the input batch
-    (threaded devices only: an inline device samples at enqueue).
-
-    Tensors are cloned, token histories and generator maps copied. Logits
-    processors that hold state are deep-copied, each live history mapped to
-    its copy: they keep references to the request's output-token list
-    (min_tokens, the per-request adapters), which the main thread appends the
-    next placeholder to right after this step is enqueued; read live, they
-    would see one token too many. vLLM's built-in processors with nothing to
-    do (no request uses them) are left out, so all-greedy batches copy none.
-    """
+    (threaded devices only: an inline device samples at enqueue): tensors
+    cloned, the generator and bad-words maps copied. The histories and the
+    logits processors are the device's own (``sampling_state.py``)."""
 
     def clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.clone()
 
-    histories = [list(ids) for ids in metadata.output_token_ids]
-    memo = {
-        id(live): copied for live, copied in zip(metadata.output_token_ids, histories)
-    }
-    processors = LogitsProcessors()
-    for name in ("argmax_invariant", "non_argmax_invariant"):
-        live = getattr(metadata.logitsprocs, name)
-        kept = [p for p in live if not _is_idle(p)]
-        setattr(processors, name, copy.deepcopy(kept, memo) if kept else [])
     return replace(
         metadata,
         temperature=clone(metadata.temperature),
@@ -87,77 +66,52 @@ def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadat
         presence_penalties=clone(metadata.presence_penalties),
         repetition_penalties=clone(metadata.repetition_penalties),
         allowed_token_ids_mask=clone(metadata.allowed_token_ids_mask),
-        output_token_ids=histories,
+        output_token_ids=[],
         generators=dict(metadata.generators),
         bad_words_token_ids=dict(metadata.bad_words_token_ids),
         spec_token_ids=None,
-        logitsprocs=processors,
     )
-
-
-def _is_idle(processor: object) -> bool:
-    """A built-in processor that no request in the batch uses: its apply() is
-    the identity. Anything else (custom processors) counts as busy."""
-    if isinstance(processor, MinPLogitsProcessor):
-        return not processor.min_p_count
-    if isinstance(processor, LogitBiasLogitsProcessor):
-        return not processor.biases
-    if isinstance(processor, MinTokensLogitsProcessor):
-        return not processor.min_toks
-    return False
-
-
-def history_repairs(
-    histories: Sequence[list[int]], slots: np.ndarray
-) -> list[tuple[int, int]]:
-    """(row, token slot) of each history ending in a placeholder: penalties
-    and bad words need that token, which is still on the device."""
-    return [
-        (row, int(slots[row]))
-        for row, history in enumerate(histories)
-        if history and history[-1] == PLACEHOLDER_TOKEN_ID
-    ]
 
 
 def sample_on_device(
     sampler: "Sampler",
     tokens: "DeviceTokens",
+    state: "SamplingState",
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
+    needs_histories: bool,
+    req_ids: list[str],
     write_slots: torch.Tensor,
-    discarded_rows: list[int],
-    repairs: list[tuple[int, int]],
+    is_sampled: np.ndarray,
     grammar: "StepMasks | None",
 ) -> Sampled:
-    """Runs on the device thread. Samples, writes each sampling row's token
-    into the device token table (``write_slots``; non-sampling rows point at
-    the padding slot) and returns the tokens and their logprobs."""
+    """Runs on the device thread. Samples with the device's processors and
+    histories, writes each sampling row's token into the device token table
+    (``write_slots``; non-sampling rows point at the padding slot) and the
+    histories, and returns the tokens and their logprobs."""
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
     with torch.inference_mode():
+        metadata = state.sampling_metadata(metadata, req_ids, needs_histories)
         if grammar is not None:
             rows = SimpleNamespace(req_ids=grammar.req_ids)
             apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
-        if repairs:
-            # Histories end in the previous token, still a placeholder on the
-            # host: take it from the table (copies: the lists may be live).
-            histories = list(metadata.output_token_ids)
-            latest = tokens.read(torch.tensor([slot for _, slot in repairs]))
-            for (row, _), token in zip(repairs, latest.tolist()):
-                histories[row] = [*histories[row][:-1], token]
-            metadata = replace(metadata, output_token_ids=histories)
         # A prompt chunk that is not the last samples nothing: its seeded
         # generator must not advance, so seeds reproduce however it is chunked.
         kept_states = {
             row: metadata.generators[row].get_state()
-            for row in discarded_rows
+            for row in np.flatnonzero(~is_sampled).tolist()
             if row in metadata.generators
         }
         output = sampler(logits=logits, sampling_metadata=metadata)
         sampled = output.sampled_token_ids[:, 0].to(torch.int32)
-        for row, state in kept_states.items():
-            metadata.generators[row].set_state(state)
+        for row, generator_state in kept_states.items():
+            metadata.generators[row].set_state(generator_state)
         tokens.write(write_slots, sampled)
+        state.record(
+            req_ids,
+            [[t] if s else [] for t, s in zip(sampled.tolist(), is_sampled.tolist())],
+        )
     return Sampled(sampled, output.logprobs_tensors)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
-from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     )
     from vllm_neuron_sched.worker.kv_cache import KVCache
     from vllm_neuron_sched.worker.pipeline import PipelineStage
+    from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.spec.config import Speculation
     from vllm_neuron_sched.worker.spec.proposer import Proposer
     from vllm_neuron_sched.worker.token_table import DeviceTokens
@@ -120,6 +121,8 @@ class StepContext:
     vllm_config: "VllmConfig"
     sampler: "Sampler"
     token_table: "DeviceTokens"
+    # The logits processors and output histories (``sampling_state.py``).
+    sampling: "SamplingState"
     buckets: "Buckets"
     kv_cache: "KVCache"
     # Our schedulers finish a failed step's requests and serve the others.
@@ -167,16 +170,12 @@ class Step(Protocol):
     ) -> None: ...
 
     def enqueue_sampling(
-        self,
-        ctx: StepContext,
-        metadata: "SamplingMetadata",
-        grammar: "Grammar",
-        prompt_logprobs: dict[str, LogprobsTensors],
+        self, ctx: StepContext, update: "StepUpdate", grammar: "Grammar"
     ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
         """The step's last execution and its output: sampling, or for a step
         that samples nothing its forward (whose failure must reach the
-        requests too). ``metadata``: the input batch's, read now (a
-        threaded device gets a snapshot)."""
+        requests too). ``update``: the step's, whose input batch's sampling
+        metadata is read now (a threaded device gets a snapshot)."""
         ...
 
 
@@ -273,11 +272,7 @@ class TokensStep:
         )
 
     def enqueue_sampling(
-        self,
-        ctx: StepContext,
-        metadata: "SamplingMetadata",
-        grammar: "Grammar",
-        prompt_logprobs: dict[str, LogprobsTensors],
+        self, ctx: StepContext, update: "StepUpdate", grammar: "Grammar"
     ) -> tuple[DeviceFuture, Materializer[ModelRunnerOutput]]:
         inputs = self.inputs
         assert self._logits is not None, "enqueue_forward first"
@@ -288,8 +283,7 @@ class TokensStep:
                 ctx,
                 self._logits,
                 *sampling_inputs(
-                    metadata,
-                    inputs.token_slots,
+                    update.batch.sampling_metadata,
                     grammar,
                     inputs.req_ids,
                     snapshot=not ctx.device.runs_at_enqueue,
@@ -299,7 +293,7 @@ class TokensStep:
             result,
             inputs.req_ids,
             inputs.is_sampled,
-            prompt_logprobs,
+            update.prompt_logprobs,
             ctx.fails_requests_alone,
         )
         return result, output
@@ -353,18 +347,20 @@ class TokensStep:
         ctx: StepContext,
         logits: torch.Tensor,
         metadata: "SamplingMetadata",
-        repairs: list[tuple[int, int]],
+        needs_histories: bool,
         grammar: "StepMasks | None",
     ) -> Sampled:
         inputs = self.inputs
         return sample_on_device(
             ctx.sampler,
             ctx.token_table,
+            ctx.sampling,
             logits,
             metadata,
+            needs_histories,
+            inputs.req_ids,
             inputs.sample_slots,
-            np.flatnonzero(~inputs.is_sampled).tolist(),
-            repairs,
+            inputs.is_sampled,
             grammar,
         )
 

@@ -35,7 +35,8 @@ def test_a_failed_chunk_that_samples_nothing_fails_its_request(
     with toy_runner(is_async=is_async) as runner:
         loop = EngineLoop(runner, depth=2 if is_async else 1)
         loop.run(sched.prefill("a"), sched.decode("a"))
-        runner.device.fail_execution_after(1)  # d's first chunk's forward
+        # The batch change (a leaves, d joins), then d's first chunk's forward.
+        runner.device.fail_execution_after(2)
         loop.run(sched.prefill("d", 32), sched.decode("a"))
         loop.flush()
         assert set(loop.failed) == {"d"}
@@ -100,7 +101,7 @@ def test_under_a_scheduler_that_cannot_fail_one_request_a_fault_stops_the_engine
     vllm_scheduler = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     with toy_runner(is_async=True, scheduler_cls=vllm_scheduler) as runner:
         loop = EngineLoop(runner, depth=2)
-        runner.device.fail_execution_after(1)
+        runner.device.fail_execution_after(2)  # after the batch change: a joins
         with pytest.raises(DeviceExecutionError, match="injected device fault"):
             loop.run(sched.prefill("a"), sched.decode("a"))
             loop.flush()

@@ -46,9 +46,12 @@ def test_device_runs_are_tagged_with_the_enqueuing_step(recorded) -> None:
     timeline, _ = recorded
     device = [i for i in timeline["intervals"] if i[0] == DEVICE]
     assert {i[3] for i in device} == {"tp0_0"}
-    # Each step: its forward, then its sampling.
+    # Each step: its forward, then its sampling; the first three (a joins,
+    # b joins as a leaves, a joins again) first their batch change.
     assert sorted(i[2] for i in device) == sorted(
-        step for step in range(1, NUM_DECODES + 3) for _ in range(2)
+        step
+        for step in range(1, NUM_DECODES + 3)
+        for _ in range(3 if step <= 3 else 2)
     )
 
 

@@ -42,9 +42,12 @@ def constrain_verify_logits(
     if mask is not None:
         rows = mask[: plan.num_rows].repeat_interleave(plan.width, 0)
         logits.masked_fill_(rows, float("-inf"))
-    _mask_min_tokens(logits, plan, lengths)
     if bad_words:
         _mask_bad_words(logits, plan, tokens, lengths, bad_words)
+    # Last of the masks: whether a structured query has a token left is
+    # decided over all of them (vLLM's order: its min_tokens processor runs
+    # after the allowed tokens and the bad words).
+    _mask_min_tokens(logits, plan, lengths)
     if not metadata.no_penalties:
         _apply_penalties(logits, plan, tokens, lengths, metadata)
     # The sampler (the bonus tokens) must not apply them again; vLLM's
@@ -69,12 +72,19 @@ def _mask_min_tokens(
     logits: torch.Tensor, plan: "VerifyPlan", lengths: torch.Tensor
 ) -> None:
     """Query j follows the row's outputs and j drafts: its stops are masked
-    while those are fewer than min_tokens."""
+    while those are fewer than min_tokens. A structured request's query
+    whose grammar leaves only stops keeps them (vLLM's rule, as its
+    min_tokens processor restores them), or it would have no token."""
     width = plan.width
     num_outputs = (lengths - plan.prompt_lens).tolist()
-    for row, wanted, stops in plan.min_tokens:
+    for row, wanted, stops, structured in plan.min_tokens:
+        stop_ids = list(stops)
         for j in range(min(width, max(0, wanted - num_outputs[row]))):
-            logits[row * width + j, list(stops)] = float("-inf")
+            query = logits[row * width + j]
+            kept = query[stop_ids]
+            query[stop_ids] = float("-inf")
+            if structured and torch.isneginf(query).all():
+                query[stop_ids] = kept
 
 
 def _mask_bad_words(

@@ -87,11 +87,13 @@ class ProposingPrefillStep(PrefillStep):
         ctx: "StepContext",
         logits: torch.Tensor,
         metadata: "SamplingMetadata",
-        repairs: list[tuple[int, int]],
+        needs_histories: bool,
         grammar: "StepMasks | None",
     ) -> Sampled:
         assert ctx.proposer is not None
-        sampled = super().sample_on_device(ctx, logits, metadata, repairs, grammar)
+        sampled = super().sample_on_device(
+            ctx, logits, metadata, needs_histories, grammar
+        )
         with torch.inference_mode():
             drafts = after_prompt_sampling(
                 ctx.proposer,

@@ -40,7 +40,7 @@ from vllm_neuron_sched.worker.spec.rejection import (
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-    from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -52,8 +52,13 @@ if TYPE_CHECKING:
         StepUpdate,
     )
     from vllm_neuron_sched.worker.layout import AttentionInputs
+    from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.steps import StepContext, StepRows
     from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+
+# (row, min_tokens, stop token ids, whether the request has a grammar).
+MinTokensRow = tuple[int, int, tuple[int, ...], bool]
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,8 @@ class VerifyPlan:
     prompt_lens: torch.Tensor  # [num_rows] int64 (penalties count what follows)
     groups: "list[AttentionGroup]"
     tables: BlockTables  # the rows' (the device pads them to the step)
-    # (row, min_tokens, stop token ids) of the rows that set min_tokens.
-    min_tokens: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # The rows that set min_tokens.
+    min_tokens: tuple[MinTokensRow, ...] = ()
 
     @property
     def num_tokens_padded(self) -> int:
@@ -85,7 +90,7 @@ def plan_verify(
     num_rows_padded: int,
     num_spec_tokens: int,
     attn_groups: "list[AttentionGroup]",
-    min_tokens: list[tuple[int, int, tuple[int, ...]]] | None = None,
+    min_tokens: list[MinTokensRow] | None = None,
 ) -> VerifyPlan:
     """Host side, from the scheduler's decisions only: no position, since the
     scheduler's ``num_computed_tokens`` may count drafts the device rejected
@@ -148,21 +153,26 @@ def verify_on_device(
     proposer: Proposer,
     sampler: "Sampler",
     tokens: "DeviceTokens",
+    state: "SamplingState",
     forward: VerifyForward,
     metadata: "SamplingMetadata",
+    needs_histories: bool,
+    req_ids: list[str],
     plan: VerifyPlan,
     grammar: VerifyGrammar | None = None,
 ) -> Verified:
-    """Device side, after the verify forward: the grammar's masks (in place,
-    so the raw logprobs see them, as in vLLM), rejection sampling, the
-    accepted tokens into the histories and the table, the next drafts."""
+    """Device side, after the verify forward: the logits in float32 (as
+    vLLM's rejection sampler takes them, whatever the model's dtype), the
+    grammar's masks (in place, so the raw logprobs see them, as in vLLM),
+    rejection sampling, the accepted tokens into the histories and the
+    table, the next drafts."""
     with torch.inference_mode():
+        metadata = state.sampling_metadata(metadata, req_ids, needs_histories)
+        raw_logits = forward.logits.to(torch.float32)
         num_drafts = forward.num_drafts
         if grammar is not None:
-            num_drafts = apply_verify_grammar(forward.logits, num_drafts, grammar)
-        logits, metadata = constrain_verify_logits(
-            forward.logits, plan, tokens, metadata
-        )
+            num_drafts = apply_verify_grammar(raw_logits, num_drafts, grammar)
+        logits, metadata = constrain_verify_logits(raw_logits, plan, tokens, metadata)
         sampled = rejection_sample(
             sampler,
             logits,
@@ -174,10 +184,12 @@ def verify_on_device(
         accepted = (sampled != REJECTED).sum(dim=1)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = verify_logprobs(
-                sampler, forward.logits, logits, sampled, metadata
-            )
+            logprobs = verify_logprobs(sampler, raw_logits, logits, sampled, metadata)
         tokens.accept(plan.slots, forward.starts, sampled, accepted)
+        state.record(
+            req_ids,
+            [run[:n] for run, n in zip(sampled.tolist(), accepted.tolist())],
+        )
         proposer.propose(
             tokens,
             AcceptedTokens(
@@ -244,11 +256,12 @@ class VerifyStep:
     def enqueue_sampling(
         self,
         ctx: "StepContext",
-        metadata: "SamplingMetadata",
+        update: "StepUpdate",
         grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
-        prompt_logprobs: "dict[str, LogprobsTensors]",
     ) -> "tuple[DeviceFuture, Materializer[ModelRunnerOutput]]":
         assert self._forward is not None and ctx.proposer is not None
+        metadata = update.batch.sampling_metadata
+        needs_histories = bool(metadata.output_token_ids)
         if not ctx.device.runs_at_enqueue:
             metadata = snapshot_sampling_metadata(metadata)
         verify_grammar = None
@@ -265,8 +278,11 @@ class VerifyStep:
             ctx.proposer,
             ctx.sampler,
             ctx.token_table,
+            ctx.sampling,
             self._forward,
             metadata,
+            needs_histories,
+            self.req_ids,
             self.plan,
             verify_grammar,
         )
@@ -274,7 +290,7 @@ class VerifyStep:
             result,
             self.req_ids,
             [True] * len(self.req_ids),
-            prompt_logprobs,
+            update.prompt_logprobs,
             ctx.fails_requests_alone,
         )
         return result, output
@@ -282,15 +298,16 @@ class VerifyStep:
 
 def _min_tokens_rows(
     host: "HostRequestState", req_ids: list[str]
-) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(row, min_tokens, stop token ids) of the rows whose request sets
-    min_tokens: the verify step masks the stops per query."""
+) -> list[MinTokensRow]:
+    """The rows whose request sets min_tokens: the verify step masks the
+    stops per query."""
     rows = []
     for row, req_id in enumerate(req_ids):
         params = host.requests[req_id].sampling_params
         if params is not None and params.min_tokens:
             stops = tuple(sorted(params.all_stop_token_ids))
-            rows.append((row, params.min_tokens, stops))
+            structured = params.structured_outputs is not None
+            rows.append((row, params.min_tokens, stops, structured))
     return rows
 
 
