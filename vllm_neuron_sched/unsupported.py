@@ -81,6 +81,14 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "speculate with --tensor-parallel-size, or leave out --speculative-config",
     ),
     Unsupported(
+        "custom logits processors with speculative decoding (--logits-processors "
+        "with --speculative-config; vLLM refuses them too, when its runner starts)",
+        lambda c: (
+            bool(c.model_config.logits_processors) and c.speculative_config is not None
+        ),
+        "leave out one of the two",
+    ),
+    Unsupported(
         "context parallel (--decode-context-parallel-size or "
         "--prefill-context-parallel-size > 1)",
         lambda c: (

@@ -1,36 +1,50 @@
 """The compatibility matrix's engine-level half (README.md): what a user sets
 for the whole engine (the model's kind, the scheduling mode with or without
-speculative decoding, the logprobs mode), every pair of two settings on some
-engine (a pairwise covering design), each against stock vLLM CPU with the
-same model and logprobs mode. The per-request half is in test_generate.py.
+speculative decoding, the logprobs mode, the dtype, the device backend, the
+user's logits processors), every pair of two settings on some engine (a
+pairwise covering design), each against stock vLLM CPU with the same model,
+logprobs mode, dtype and processors. The per-request half is in
+test_generate.py.
 
 The engines run in this process (``in_process_llm``: seconds to start) and
 so does each stock engine, one after the other in one child process. Every
 engine keeps vLLM's defaults, the prefix cache on: the prompts run twice,
 the second time from prefix-cache hits (the shared prompts' 64k + 1 rests
-included), across prefill chunks of 32 tokens.
+included), across prefill chunks of 32 tokens. Beside the greedy requests,
+``min_tokens`` meets stops it can reach (no ``ignore_eos``), alone and under
+a grammar whose end leaves nothing but EOS; with processors, one request
+reads its output so far and one is stopped by a processor that keeps state
+from step to step. float32 tokens equal stock's; bfloat16 ones may part
+from stock only where stock itself is within its noise floor
+(``assert_within_bf16_floor``).
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from allpairspy import AllPairs
 
+from vllm_neuron_sched.testing import logits_processors as lp
 from vllm_neuron_sched.testing.checkpoint import CheckpointSpec, make_checkpoint
 from vllm_neuron_sched.testing.in_process import in_process_llm
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
+    assert_within_bf16_floor,
     embed,
     generate,
     start_each_in_subprocess,
 )
 from vllm_neuron_sched.testing.workloads import (
+    BF16_LOGPROB_FLOOR,
     MODES,
     SMALL_ENGINE,
     STOCK_ENV,
     mixed_prompts,
+    token_prompts,
 )
 
 pytestmark = pytest.mark.slow
@@ -49,19 +63,81 @@ LOGPROBS_MODES = [
     "raw_logits",
     "processed_logits",
 ]
-ENGINES = [tuple(row) for row in AllPairs([list(MODELS), list(MODES), LOGPROBS_MODES])]
+DTYPES = ["float32", "bfloat16"]
+# The device backends: executions inside enqueue, or on a device thread that
+# holds each one 2 ms longer without a core (an accelerator's asynchrony).
+DEVICES: dict[str, dict[str, str]] = {
+    "inline": {"VLLM_NEURON_SCHED_DEVICE": "inline"},
+    "thread": {
+        "VLLM_NEURON_SCHED_DEVICE": "thread",
+        "VLLM_NEURON_SCHED_SIM_DEVICE_MS": "2",
+    },
+}
+# The user's logits processors (``--logits-processors``), or none.
+PROCESSORS: dict[str, list[str]] = {
+    "no_procs": [],
+    "procs": [lp.NEXT_TOKEN, lp.COUNTING_STOP],
+}
+
+
+def _runnable(row: list[str]) -> bool:
+    """vLLM refuses custom logits processors with speculation (and so do we,
+    at start-up: tests/v1/test_unsupported.py)."""
+    return not (len(row) > 5 and row[1] == "async_ngram" and PROCESSORS[row[5]])
+
+
+ENGINES = [
+    tuple(row)
+    for row in AllPairs(
+        [
+            list(MODELS),
+            list(MODES),
+            LOGPROBS_MODES,
+            DTYPES,
+            list(DEVICES),
+            list(PROCESSORS),
+        ],
+        filter_func=_runnable,
+    )
+]
 ROUNDS = 2
 TOLERANCE = 1e-4
+# Stop tokens a request reaches at once: most of the vocabulary.
+STOPS = list(range(100, 700))
 
 
-def _params() -> list[dict[str, Any]]:
-    """Greedy, logprobs everywhere, prompt logprobs on two."""
-    params = [
-        {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True, "logprobs": 3}
-        for _ in mixed_prompts()
+def _requests(processors: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """The mixed prompts greedy, logprobs everywhere, prompt logprobs on two;
+    ``min_tokens`` with stops it reaches (and penalties), alone and under a
+    choice grammar;
+    with processors, first (their prompts fit the first step: the counting
+    processor counts the steps that hold a request, and stock samples a
+    prompt's every chunk, we its last), one request for each."""
+    greedy = {"temperature": 0.0, "max_tokens": 10, "logprobs": 3}
+    prompts = mixed_prompts() + token_prompts([9, 6], stride=3, salt=7)
+    params: list[dict[str, Any]] = [
+        {**greedy, "ignore_eos": True} for _ in mixed_prompts()
     ]
     params[1]["prompt_logprobs"] = params[4]["prompt_logprobs"] = 2
-    return params
+    params += [
+        {
+            **greedy,
+            "max_tokens": 12,
+            "min_tokens": 5,
+            "stop_token_ids": STOPS,
+            "repetition_penalty": 1.2,
+            "frequency_penalty": 0.3,
+        },
+        {**greedy, "min_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}},
+    ]
+    if PROCESSORS[processors]:
+        prompts = token_prompts([5, 7], stride=3, salt=7) + prompts
+        params = [
+            {**greedy, "max_tokens": 8, "extra_args": {lp.NEXT_TOKEN_ARG: True}},
+            {**greedy, "max_tokens": 12, "extra_args": {lp.COUNT_STOP_ARG: 4}},
+            *params,
+        ]
+    return prompts, params
 
 
 @pytest.fixture(scope="module")
@@ -78,20 +154,28 @@ def models(
 
 
 def _stock_runs(models: dict[str, str]) -> list[dict[str, Any]]:
-    """Stock (sync; no speculation) per model and logprobs mode the engines
-    pair."""
-    pairs = sorted({(model, mode) for model, _, mode in ENGINES})
-    return [
-        {
-            "model": models[model],
-            "prompts": mixed_prompts(),
-            "sampling": _params(),
-            "engine_kwargs": {**SMALL_ENGINE, "logprobs_mode": logprobs_mode},
-            "rounds": ROUNDS,
-            "pair": [model, logprobs_mode],
-        }
-        for model, logprobs_mode in pairs
-    ]
+    """Stock (sync; no speculation; its own device) per model, logprobs
+    mode, dtype and processors the engines pair."""
+    keys = sorted({(e[0], e[2], e[3], e[5]) for e in ENGINES})
+    runs = []
+    for model, logprobs_mode, dtype, processors in keys:
+        prompts, params = _requests(processors)
+        runs.append(
+            {
+                "model": models[model],
+                "prompts": prompts,
+                "sampling": params,
+                "engine_kwargs": {
+                    **SMALL_ENGINE,
+                    "logprobs_mode": logprobs_mode,
+                    "dtype": dtype,
+                    "logits_processors": PROCESSORS[processors],
+                },
+                "rounds": ROUNDS,
+                "key": [model, logprobs_mode, dtype, processors],
+            }
+        )
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -100,29 +184,48 @@ def stock(models: dict[str, str]) -> Any:
     runs = _stock_runs(models)
     child = start_each_in_subprocess(runs, env=STOCK_ENV)
 
-    def of(model: str, logprobs_mode: str) -> list[dict[str, Any]]:
-        pairs = [run["pair"] for run in runs]
-        return child.result()[pairs.index([model, logprobs_mode])]
+    def of(*key: str) -> list[dict[str, Any]]:
+        keys = [run["key"] for run in runs]
+        return child.result()[keys.index(list(key))]
 
     return of
 
 
 @pytest.mark.parametrize(
-    ("model", "mode", "logprobs_mode"), ENGINES, ids=["-".join(e) for e in ENGINES]
+    ("model", "mode", "logprobs_mode", "dtype", "device", "processors"),
+    ENGINES,
+    ids=["-".join(e) for e in ENGINES],
 )
 def test_engine_settings_in_pairs_equal_stock(
-    models: dict[str, str], stock: Any, model: str, mode: str, logprobs_mode: str
+    models: dict[str, str],
+    stock: Any,
+    model: str,
+    mode: str,
+    logprobs_mode: str,
+    dtype: str,
+    device: str,
+    processors: str,
 ) -> None:
-    engine = {**SMALL_ENGINE, **MODES[mode], "logprobs_mode": logprobs_mode}
-    with in_process_llm(models[model], **engine) as llm:
-        ours = [
-            record
-            for _ in range(ROUNDS)
-            for record in generate(llm, mixed_prompts(), _params())
-        ]
-    theirs = stock(model, logprobs_mode)
+    engine = {
+        **SMALL_ENGINE,
+        **MODES[mode],
+        "logprobs_mode": logprobs_mode,
+        "dtype": dtype,
+        "logits_processors": PROCESSORS[processors],
+    }
+    prompts, params = _requests(processors)
+    with (
+        mock.patch.dict(os.environ, DEVICES[device]),
+        in_process_llm(models[model], **engine) as llm,
+    ):
+        ours = [r for _ in range(ROUNDS) for r in generate(llm, prompts, params)]
+    theirs = stock(model, logprobs_mode, dtype, processors)
     for i, (record, expected) in enumerate(zip(ours, theirs, strict=True)):
+        if dtype == "bfloat16":
+            assert_within_bf16_floor(record, expected, BF16_LOGPROB_FLOOR)
+            continue
         assert record["token_ids"] == expected["token_ids"], i
+        assert record["finish_reason"] == expected["finish_reason"], i
         assert_logprobs_close(record["logprobs"], expected["logprobs"], TOLERANCE)
         assert_logprobs_close(
             record["prompt_logprobs"], expected["prompt_logprobs"], TOLERANCE

@@ -11,6 +11,7 @@ from vllm.sampling_params import SamplingParams
 
 from vllm_neuron_sched.platform import NeuronSchedPlatform
 from vllm_neuron_sched.testing.checkpoint import ensure_trained_checkpoints
+from vllm_neuron_sched.testing.logits_processors import COUNTING_STOP
 from vllm_neuron_sched.testing.scheduler_loop import build_scheduler, make_request
 
 # Model configs of the architectures refused (config.json only: enough for
@@ -113,6 +114,18 @@ def _refusal(model: str, **engine: Any) -> str:
             },
             "speculative decoding with pipeline parallel",
         ),
+        (
+            {
+                "logits_processors": [COUNTING_STOP],
+                "speculative_config": {
+                    "method": "ngram_gpu",
+                    "num_speculative_tokens": 3,
+                    "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3,
+                },
+            },
+            "custom logits processors with speculative decoding",
+        ),
         ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
         (
             {
@@ -135,7 +148,11 @@ def test_engine_options_our_runner_does_not_run_are_refused(
     message = _refusal(checkpoints[0], **engine)
     assert "vllm_neuron_sched does not run" in message
     assert option in message
-    assert "VLLM_NEURON_SCHED_DISABLE=1" in message or "tensor-parallel" in message
+    assert (
+        "VLLM_NEURON_SCHED_DISABLE=1" in message
+        or "tensor-parallel" in message
+        or "leave out one" in message
+    )
 
 
 def test_model_runner_v2_is_refused(

@@ -57,16 +57,22 @@ class CountingStopProcessor(LogitsProcessor):
     """Batch level, with state: counts, per request, the ``apply`` calls of
     the steps that held it; from the N-th on (``extra_args=
     {"stop_after_applies": N}``) it forces EOS on that request's row. A
-    runner that applies a copy each step never reaches N. (A prompt that
-    takes several steps is applied to in each in stock vLLM, and only in
-    its last here, where its prompt chunks are sampled: tests give it a
-    prompt of one step.)"""
+    runner that applies a copy each step never reaches N.
+
+    The count belongs to the request, not to its batch row: vLLM takes a
+    request that a step does not schedule out of the batch and adds it back
+    later (its ``BatchUpdate``), and so do we, between a decode step and the
+    prefill steps of others. (A prompt that takes several steps is applied
+    to in each in stock vLLM, and only in its last here, where its prompt
+    chunks are sampled: tests give it a prompt of one step.)"""
 
     def __init__(
         self, vllm_config: object, device: torch.device, is_pin_memory: bool
     ) -> None:
-        # batch row -> [N, apply calls so far]
-        self.rows: dict[int, list[int]] = {}
+        self.rows: dict[int, list[int]] = {}  # batch row -> its request's count
+        # The request's params (the same object when it comes back) -> its
+        # [N, apply calls so far], kept while the request lives.
+        self.counts: dict[int, tuple[SamplingParams, list[int]]] = {}
         config = getattr(vllm_config, "model_config", None)
         hf_config = getattr(config, "hf_config", None)
         self.eos = getattr(hf_config, "eos_token_id", None) or 0
@@ -80,10 +86,11 @@ class CountingStopProcessor(LogitsProcessor):
         for index in batch_update.removed:
             self.rows.pop(index, None)
         for index, params, _, _ in batch_update.added:
-            n = (params.extra_args or {}).get(COUNT_STOP_ARG)
             self.rows.pop(index, None)
+            n = (params.extra_args or {}).get(COUNT_STOP_ARG)
             if n:
-                self.rows[index] = [int(n), 0]
+                _, count = self.counts.setdefault(id(params), (params, [int(n), 0]))
+                self.rows[index] = count
         for a, b, direction in batch_update.moved:
             entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
             if entry_a is not None:
@@ -92,9 +99,9 @@ class CountingStopProcessor(LogitsProcessor):
                 self.rows[a] = entry_b
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for row, entry in self.rows.items():
-            entry[1] += 1
-            if entry[1] >= entry[0]:
+        for row, count in self.rows.items():
+            count[1] += 1
+            if count[1] >= count[0]:
                 logits[row].fill_(float("-inf"))
                 logits[row, self.eos] = 0.0
         return logits

@@ -194,6 +194,41 @@ def assert_logprobs_close(
             assert math.isclose(logprob, stock_step[token], abs_tol=tolerance)
 
 
+def assert_within_bf16_floor(
+    ours: dict[str, Any], stock: dict[str, Any], floor: float
+) -> None:
+    """One request's record (``as_record``) in bfloat16 against stock's: its
+    logits depend on the shapes a batch runs at, which differ from stock's,
+    so ours may part from stock's tokens, but only where stock's two most
+    likely tokens are within ``2 * floor`` of each other (each may move by
+    ``floor``); before that every logprob both report is within ``floor``,
+    the prompt logprobs too (``floor``: stock against itself with another
+    batch, ``benchmarks/bf16_floor.py``)."""
+    tokens, expected = ours["token_ids"], stock["token_ids"]
+    part = next((k for k, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    if part is None and len(tokens) != len(expected):
+        part = min(len(tokens), len(expected))  # one stopped, the other not
+    end = len(tokens) if part is None else part
+    for name in ("logprobs", "prompt_logprobs"):
+        steps = list(zip(ours[name] or [], stock[name] or []))
+        for k, (our_step, stock_step) in enumerate(steps):
+            if name == "logprobs" and k >= end or our_step is None:
+                continue
+            for token in our_step.keys() & stock_step.keys():
+                ours_lp, stock_lp = our_step[token], stock_step[token]
+                if ours_lp != stock_lp:  # (-inf == -inf: a masked token)
+                    difference = abs(ours_lp - stock_lp)
+                    assert difference <= floor, (name, k, token, difference)
+    if part is None:
+        assert ours["finish_reason"] == stock["finish_reason"]
+        return
+    assert stock["logprobs"] is not None and part < len(stock["logprobs"]), (
+        f"parted from stock at {part}, where stock has no logprobs to tell why"
+    )
+    first, second = sorted(stock["logprobs"][part].values(), reverse=True)[:2]
+    assert first - second <= 2 * floor, ("parted from stock at", part, first - second)
+
+
 def spec_decode_counters(llm: Any) -> dict[str, Any]:
     """vLLM's own speculative-decoding counters of an engine (``LLM`` with
     stats on): drafts, draft tokens, accepted tokens, accepted per position."""

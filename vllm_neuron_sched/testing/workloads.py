@@ -21,6 +21,10 @@ SMALL_ENGINE: dict[str, Any] = {
     "enforce_eager": True,
 }
 STOCK_ENV = {"VLLM_NEURON_SCHED_DISABLE": "1"}  # stock vLLM CPU in a child
+# bfloat16: how far stock's logprobs move from themselves when only the batch
+# changes, on the test models (``python -m benchmarks.bf16_floor``; docs/
+# design.md section 12), with a bf16 step of margin.
+BF16_LOGPROB_FLOOR = 0.032
 # N-gram speculation, K = 3.
 NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The compatibility matrix's columns (README.md): engine keywords per mode.

@@ -261,3 +261,92 @@ def test_verify_logprobs_are_vllms_sampler_ones_in_every_mode(mode: str) -> None
         assert torch.isclose(tensors.logprobs[row, 0], expected[row, token])
         top = expected[row].topk(2).values
         assert torch.allclose(tensors.logprobs[row, 1:], top)
+
+
+def _verify_one_row(
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    output: list[int],
+    min_tokens: tuple = (),
+    grammar: object = None,
+) -> list[int]:
+    """One verify row with no drafts (width 1), its prompt [2] and ``output``
+    in the device history, through the whole verification: what it outputs."""
+    from types import SimpleNamespace
+
+    from vllm_neuron_sched.runtime import make_device
+    from vllm_neuron_sched.worker.results import VerifyForward
+    from vllm_neuron_sched.worker.sampling_state import SamplingState
+    from vllm_neuron_sched.worker.spec.proposer import NgramProposer
+    from vllm_neuron_sched.worker.spec.verify import VerifyPlan, verify_on_device
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+    tokens = DeviceTokens(2, make_device("inline"), history_len=16, num_drafts=2)
+    known = [2, *output]
+    slots = torch.tensor([1])
+    tokens.accept(
+        slots,
+        torch.tensor([0]),
+        torch.tensor([known], dtype=torch.int32),
+        torch.tensor([len(known)]),
+    )
+    plan = VerifyPlan(
+        width=1,
+        num_rows=1,
+        num_rows_padded=1,
+        slots=slots,
+        scheduled_drafts=torch.tensor([0]),
+        prompt_lens=torch.tensor([1]),
+        groups=[],
+        tables={},
+        min_tokens=min_tokens,
+    )
+    spec = SimpleNamespace(num_tokens=2, min_n=1, max_n=2, max_model_len=64)
+    state = SamplingState(LogitsProcessors())
+    state.histories["r"] = list(output)
+    forward = VerifyForward(logits, torch.tensor([0]), torch.tensor([len(known)]))
+    verified = verify_on_device(
+        NgramProposer(spec),  # type: ignore[arg-type]
+        Sampler(),
+        tokens,
+        state,
+        forward,
+        metadata,
+        False,
+        ["r"],
+        plan,
+        grammar,  # type: ignore[arg-type]
+    )
+    return verified.token_ids([True])[0]
+
+
+def test_a_bfloat16_models_verify_logits_are_penalized_in_float32() -> None:
+    """vLLM's samplers cast the logits to float32 before anything transforms
+    them. Token 0 (8.0, once output) under a repetition penalty of 1.3 is
+    6.1538 in float32, below token 1's 6.15625, and rounds to 6.15625 in
+    bfloat16, a tie that token 0 wins: the verify step answers float32's."""
+    from dataclasses import replace
+
+    logits = torch.tensor([[8.0, 6.15625, -5.0, -5.0]], dtype=torch.bfloat16)
+    metadata = replace(
+        _metadata([0.0]),
+        no_penalties=False,
+        prompt_token_ids=torch.tensor([[2]]),
+        repetition_penalties=torch.tensor([1.3]),
+    )
+    assert _verify_one_row(logits, metadata, output=[0]) == [1]
+
+
+def test_min_tokens_leaves_a_structured_request_the_stops_its_grammar_allows() -> None:
+    """The grammar allows only the stop token (its end) before min_tokens:
+    vLLM's min_tokens processor keeps it rather than leave no token, and so
+    does the verify step (it took token 0, and the request failed)."""
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    from vllm_neuron_sched.worker.spec.grammar import plan_grammar
+
+    stop = 3
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])
+    grammar = plan_grammar(GrammarOutput(["r"], _masks([stop]), [0]), ["r"], {}, 1)
+    min_tokens = ((0, 8, (stop,), True),)
+    assert _verify_one_row(logits, _metadata([0.0]), [5], min_tokens, grammar) == [stop]

@@ -49,9 +49,7 @@ def test_device_runs_are_tagged_with_the_enqueuing_step(recorded) -> None:
     # Each step: its forward, then its sampling; the first three (a joins,
     # b joins as a leaves, a joins again) first their batch change.
     assert sorted(i[2] for i in device) == sorted(
-        step
-        for step in range(1, NUM_DECODES + 3)
-        for _ in range(3 if step <= 3 else 2)
+        step for step in range(1, NUM_DECODES + 3) for _ in range(3 if step <= 3 else 2)
     )
 
 
