@@ -116,6 +116,17 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         f"use {STOCK}",
     ),
     Unsupported(
+        "weight transfer from a trainer (--weight-transfer-config)",
+        lambda c: getattr(c, "weight_transfer_config", None) is not None,
+        "load new weights with collective_rpc('reload_weights', kwargs="
+        "{'weights_path': ...}), which runs in the device's order",
+    ),
+    Unsupported(
+        "fault tolerance (--enable-fault-tolerance)",
+        lambda c: bool(getattr(c.parallel_config, "enable_fault_tolerance", False)),
+        f"leave it out, or use {STOCK}",
+    ),
+    Unsupported(
         "vLLM's model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, --watermark-config, "
         "HiSparse attention)",
         lambda c: c.use_v2_model_runner,

@@ -276,3 +276,58 @@ def test_pooling_embeddings_equal_stock(checkpoint_dir: str) -> None:
             assert record["embedding"] == pytest.approx(
                 expected["embedding"], abs=TOLERANCE
             )
+
+
+# vLLM's worker RPCs (docs/vllm-options.md lists each): those that change
+# the weights run in the device's order; those ours does not run are refused
+# by name.
+REFUSED_RPCS = [
+    ("execute_dummy_batch", ()),
+    ("init_weight_transfer_engine", ({},)),
+    ("start_weight_update", ()),
+    ("update_weights", ({},)),
+    ("finish_weight_update", ()),
+    ("handle_ft_command", (None,)),
+    ("checkpoint_prepare", ()),
+]
+
+
+def test_worker_rpcs_run_in_the_devices_order_or_are_refused_by_name(
+    checkpoint_dir: str, tmp_path: Path
+) -> None:
+    prompts = token_prompts([9, 6], stride=3, salt=7)
+    params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    engine = {**SMALL_ENGINE, **MODES["async"]}
+    with (
+        mock.patch.dict(os.environ, DEVICES["thread"]),
+        in_process_llm(checkpoint_dir, **engine) as llm,
+    ):
+
+        def tokens() -> list[list[int]]:
+            return [r["token_ids"] for r in generate(llm, prompts, params)]
+
+        before = tokens()
+        llm.collective_rpc("reset_weights")  # every weight zero: token 0
+        assert tokens() == [[0] * 6] * 2
+        llm.collective_rpc("reload_weights")
+        assert tokens() == before
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
+        assert tokens() == before
+        assert llm.collective_rpc("get_draft_model") == [None]
+        assert llm.collective_rpc("get_encoder_timing_stats") == [{}]
+        assert llm.collective_rpc("compute_weight_checksums")[0]
+        assert "LlamaForCausalLM" in llm.collective_rpc("get_model_inspection")[0]
+        llm.collective_rpc("save_sharded_state", args=(str(tmp_path),))
+        assert any(tmp_path.iterdir())
+        for name in ("list_loras", "add_lora"):
+            args = () if name == "list_loras" else (None,)
+            with pytest.raises(Exception, match="LoRA is not enabled"):
+                llm.collective_rpc(name, args=args)
+        for name, args in REFUSED_RPCS:
+            with pytest.raises(
+                Exception, match=f"does not run the worker RPC '{name}'"
+            ):
+                llm.collective_rpc(name, args=args)
+        with pytest.raises(Exception, match="Profiling is not enabled"):
+            llm.collective_rpc("profile", args=(True,))
+        assert tokens() == before  # and it serves on

@@ -126,6 +126,7 @@ def _refusal(model: str, **engine: Any) -> str:
             },
             "custom logits processors with speculative decoding",
         ),
+        ({"weight_transfer_config": {"backend": "nccl"}}, "--weight-transfer-config"),
         ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
         (
             {
@@ -152,6 +153,7 @@ def test_engine_options_our_runner_does_not_run_are_refused(
         "VLLM_NEURON_SCHED_DISABLE=1" in message
         or "tensor-parallel" in message
         or "leave out one" in message
+        or "reload_weights" in message
     )
 
 

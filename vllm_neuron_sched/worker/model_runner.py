@@ -96,6 +96,11 @@ logger = init_logger(__name__)
 
 # A device that has not drained by then is hung; the process exits regardless.
 _SHUTDOWN_TIMEOUT_S = 30.0
+_NO_LORA = (
+    "LoRA is not enabled: vllm_neuron_sched does not run LoRA adapters "
+    "(--enable-lora is refused at start-up); merge the adapter into the model's "
+    "weights, or use stock vLLM CPU (VLLM_NEURON_SCHED_DISABLE=1)"
+)
 
 
 def _stop_rank_if_failed(result: "DeviceFuture[Any]") -> None:
@@ -342,6 +347,65 @@ class NeuronSchedModelRunner:
             list(step_output.req_ids),
             [list(drafts) for drafts in step_output.draft_token_ids],
         )
+
+    def reload_weights(
+        self,
+        weights_iterator: Any = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        """vLLM's in-place reload of the target's weights (from disk, or from
+        ``weights_iterator``), as a state update: after every execution
+        enqueued before it, which read the old weights, and before any
+        after it. Returns once it ran; its failure stops the engine (the
+        weights are then unknown)."""
+        from vllm.model_executor.model_loader.reload.inplace import (
+            reload_weights,
+        )
+
+        self._update_weights(
+            reload_weights,
+            self.vllm_config,
+            self.model,
+            weights_iterator,
+            weights_path,
+            is_checkpoint_format,
+        )
+
+    def reset_weights(self) -> None:
+        """vLLM's ``reset_weights`` (every weight zeroed), as a state update."""
+        from vllm.model_executor.model_loader.weight_checksum import zero_weights
+
+        self._update_weights(zero_weights, self.model)
+
+    def _update_weights(self, update: Any, *args: Any) -> None:
+        self.device.enqueue_state_update(torch.inference_mode()(update), *args)
+        # Executions are FIFO: this one's result (or DeviceStateError, which
+        # names the update's failure) says the update has run.
+        self.device.enqueue(lambda: None).result()
+
+    def get_draft_model(self) -> torch.nn.Module | None:
+        return None if self.draft is None else self.draft.model
+
+    def get_encoder_timing_stats(self) -> dict[str, dict[str, float | int]]:
+        return {}  # text models only: no encoder
+
+    # LoRA is refused at start-up (unsupported.py): as vLLM's runner without
+    # --enable-lora.
+    def add_lora(self, lora_request: Any) -> bool:
+        raise RuntimeError(_NO_LORA)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise RuntimeError(_NO_LORA)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        raise RuntimeError(_NO_LORA)
+
+    def list_loras(self) -> set[int]:
+        raise RuntimeError(_NO_LORA)
+
+    def reset_lora_state(self) -> None:
+        pass
 
     def reset_mm_cache(self) -> None:
         pass

@@ -23,6 +23,30 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+_TRANSFER = (
+    "a trainer's weight transfer writes the weights from outside the device's "
+    "order; load new weights with collective_rpc('reload_weights', kwargs="
+    "{'weights_path': ...}) (or a weights_iterator) instead"
+)
+_CHECKPOINT = "checkpointing the process's distributed state is not run"
+
+
+def _refused(name: str, why: str) -> Callable[..., Any]:
+    """An RPC of vLLM's worker that ours does not run, refused by name with
+    ``why``; vLLM's own runner (pooling models) keeps it."""
+
+    def rpc(self: "NeuronSchedWorker", *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self.model_runner, NeuronSchedModelRunner):
+            return getattr(CPUWorker, name)(self, *args, **kwargs)
+        raise NotImplementedError(
+            f"vllm_neuron_sched does not run the worker RPC {name!r}: {why}; or "
+            "use stock vLLM CPU (VLLM_NEURON_SCHED_DISABLE=1)"
+        )
+
+    rpc.__name__ = rpc.__qualname__ = name
+    return rpc
+
+
 class NeuronSchedWorker(CPUWorker):
     model_runner: NeuronSchedModelRunner
 
@@ -84,6 +108,33 @@ class NeuronSchedWorker(CPUWorker):
         if isinstance(self.model_runner, NeuronSchedModelRunner):
             self.model_runner.shutdown()
         super().shutdown()
+
+    def reset_weights(self) -> None:
+        """vLLM zeroes the weights on the calling thread; an execution in
+        flight may read them: ours is a state update on the device."""
+        if isinstance(self.model_runner, NeuronSchedModelRunner):
+            self.model_runner.reset_weights()
+        else:
+            super().reset_weights()
+
+    # vLLM's worker RPCs that ours does not run (docs/vllm-options.md lists
+    # every RPC and what each does here).
+    execute_dummy_batch = _refused(
+        "execute_dummy_batch",
+        "it runs an idle data-parallel replica's dummy batch of a MoE model, "
+        "which is refused at start-up",
+    )
+    init_weight_transfer_engine = _refused("init_weight_transfer_engine", _TRANSFER)
+    start_weight_update = _refused("start_weight_update", _TRANSFER)
+    start_draft_weight_update = _refused("start_draft_weight_update", _TRANSFER)
+    update_weights = _refused("update_weights", _TRANSFER)
+    finish_weight_update = _refused("finish_weight_update", _TRANSFER)
+    handle_ft_command = _refused("handle_ft_command", "fault tolerance is not run")
+    elastic_ep_execute = _refused(
+        "elastic_ep_execute", "elastic expert parallel is not run"
+    )
+    checkpoint_prepare = _refused("checkpoint_prepare", _CHECKPOINT)
+    checkpoint_restore = _refused("checkpoint_restore", _CHECKPOINT)
 
     def get_async_scheduling_stats(self) -> dict[str, int]:
         """The async flow's counters (``COUNTERS`` in metrics.py); reachable
