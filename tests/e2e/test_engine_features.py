@@ -26,7 +26,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from allpairspy import AllPairs
 
 from vllm_neuron_sched.testing import logits_processors as lp
 from vllm_neuron_sched.testing.checkpoint import CheckpointSpec, make_checkpoint
@@ -38,6 +37,7 @@ from vllm_neuron_sched.testing.oracle import (
     generate,
     start_each_in_subprocess,
 )
+from vllm_neuron_sched.testing.pairwise import covering_rows
 from vllm_neuron_sched.testing.workloads import (
     BF16_LOGPROB_FLOOR,
     MODES,
@@ -88,7 +88,7 @@ def _runnable(row: list[str]) -> bool:
 
 ENGINES = [
     tuple(row)
-    for row in AllPairs(
+    for row in covering_rows(
         [
             list(MODELS),
             list(MODES),
@@ -97,7 +97,7 @@ ENGINES = [
             list(DEVICES),
             list(PROCESSORS),
         ],
-        filter_func=_runnable,
+        _runnable,
     )
 ]
 ROUNDS = 2

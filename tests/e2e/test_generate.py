@@ -17,7 +17,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from allpairspy import AllPairs
 
 from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.in_process import in_process
@@ -27,6 +26,7 @@ from vllm_neuron_sched.testing.oracle import (
     generate_in_subprocess,
     start_in_subprocess,
 )
+from vllm_neuron_sched.testing.pairwise import covering_rows
 from vllm_neuron_sched.testing.workloads import (
     BLOCK,
     MIXED_BUDGETS,
@@ -318,7 +318,7 @@ def _matrix(speculative: bool) -> tuple[list[list[int]], list[dict[str, Any]]]:
             name: [s for s in settings if not left_out & s.keys()]
             for name, settings in FEATURES.items()
         }
-    rows = AllPairs(list(features.values()), filter_func=_compatible)
+    rows = covering_rows(list(features.values()), _compatible)
     params = []
     for row in rows:
         request = {"max_tokens": 12, "ignore_eos": True}
