@@ -84,7 +84,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "custom logits processors with speculative decoding (--logits-processors "
         "with --speculative-config; vLLM refuses them too, when its runner starts)",
         lambda c: (
-            bool(c.model_config.logits_processors) and c.speculative_config is not None
+            c.speculative_config is not None and bool(c.model_config.logits_processors)
         ),
         "leave out one of the two",
     ),
