@@ -2,7 +2,7 @@
 over our sync, at a simulated device latency, with the step timeline that says
 where the host and the device wait on each other.
 
-    python -m benchmarks.overlap [--sim-ms 1 5 10] [--repeats 5]
+    python -m benchmarks.overlap [--sim-ms 1 5 10] [--repeats 5] [--enforce-eager]
 
 Each run is a fresh engine in its own process (``benchmarks.child``) on the
 tiny Llama checkpoint, with the threaded device and
@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.analysis import step_figures
 from benchmarks.child import RESULT_MARKER
 from vllm_neuron_sched.testing.checkpoint import DEFAULT_CHECKPOINT, ensure_checkpoint
+from vllm_neuron_sched.testing.oracle import run_json_child
 
 STEADY = {
     "name": "steady",
@@ -57,14 +56,17 @@ ENGINE = {
     "max_num_seqs": 16,
     "max_num_batched_tokens": 512,
     "seed": 0,
-    "enforce_eager": True,
 }
 
 
-def run_child(mode: str, sim_ms: float, model: str) -> dict[str, Any]:
+def run_child(mode: str, sim_ms: float, model: str, eager: bool) -> dict[str, Any]:
     spec = {
         "model": model,
-        "engine_kwargs": {**ENGINE, "async_scheduling": mode == "async"},
+        "engine_kwargs": {
+            **ENGINE,
+            "async_scheduling": mode == "async",
+            "enforce_eager": eager,
+        },
         "workloads": [STEADY, CHURN],
     }
     env = {
@@ -74,21 +76,10 @@ def run_child(mode: str, sim_ms: float, model: str) -> dict[str, Any]:
         "VLLM_NEURON_SCHED_DEVICE": "thread",
         "VLLM_NEURON_SCHED_SIM_DEVICE_MS": str(sim_ms),
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.child"],
-        input=json.dumps(spec) + "\n",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER) :])
-    raise RuntimeError(f"{mode} at {sim_ms} ms failed:\n{proc.stderr[-4000:]}")
+    return run_json_child(["-m", "benchmarks.child"], spec, env, RESULT_MARKER, 900)
 
 
-def point(sim_ms: float, repeats: int, model: str) -> dict[str, Any]:
+def point(sim_ms: float, repeats: int, model: str, eager: bool) -> dict[str, Any]:
     """Alternated runs at one latency: ratios per workload, the timeline's
     figures per mode (each repeat's traced steady run)."""
     tok_s: dict[str, dict[str, list[float]]] = {"sync": {}, "async": {}}
@@ -96,7 +87,7 @@ def point(sim_ms: float, repeats: int, model: str) -> dict[str, Any]:
     for r in range(repeats):
         order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
         for mode in order:
-            result = run_child(mode, sim_ms, model)
+            result = run_child(mode, sim_ms, model, eager)
             for name, figures in result["workloads"].items():
                 run = figures["repeats"][0]
                 tok_s[mode].setdefault(name, []).append(run["output_tok_s"])
@@ -148,12 +139,17 @@ def main() -> None:
     parser.add_argument("--sim-ms", type=float, nargs="+", default=[1, 5, 10])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no torch.compile (default: vLLM's default compilation)",
+    )
     args = parser.parse_args()
     model = str(ensure_checkpoint(DEFAULT_CHECKPOINT))
     print(f"loadavg at start: {os.getloadavg()}", flush=True)
     reports = []
     for sim_ms in args.sim_ms:
-        reports.append(point(sim_ms, args.repeats, model))
+        reports.append(point(sim_ms, args.repeats, model, args.enforce_eager))
         print(json.dumps(reports[-1]), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(reports, indent=1))

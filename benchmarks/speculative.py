@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from vllm_neuron_sched.testing.checkpoint import DRAFT_CHECKPOINT
+from vllm_neuron_sched.testing.oracle import run_json_child
 
 RESULT = "SPEC_BENCH_RESULT:"
 K = 3
@@ -170,18 +170,9 @@ def run(mode: str, name: str, checkpoint: str, repeats: int) -> dict[str, Any]:
     spec["repeats"] = repeats
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **MODES[mode][1]}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.speculative", "--child"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
+    return run_json_child(
+        ["-m", "benchmarks.speculative", "--child"], spec, env, RESULT, 1800
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    raise RuntimeError(f"{mode}/{name} failed:\n{proc.stderr[-4000:]}")
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:

@@ -86,19 +86,32 @@ def start_in_subprocess(
 def _run_child(
     spec: dict[str, Any], env: dict[str, str], timeout_s: float
 ) -> list[dict[str, Any]]:
+    return run_json_child(["-m", __name__], spec, env, _MARKER, timeout_s)
+
+
+def run_json_child(
+    argv: list[str],
+    spec: Any,
+    env: dict[str, str] | None,
+    marker: str,
+    timeout_s: float,
+) -> Any:
+    """Runs ``python argv...`` with ``spec`` as JSON on stdin and returns the
+    JSON its output prints after ``marker`` (the oracle's children, the
+    benchmarks'); a failure raises with the child's error lines."""
     proc = subprocess.run(
-        [sys.executable, "-m", __name__],
-        input=json.dumps(spec),
+        [sys.executable, *argv],
+        input=json.dumps(spec) + "\n",
         capture_output=True,
         text=True,
         timeout=timeout_s,
         env=env,
     )
     for line in proc.stdout.splitlines():
-        if line.startswith(_MARKER):
-            return json.loads(line[len(_MARKER) :])
+        if line.startswith(marker):
+            return json.loads(line[len(marker) :])
     raise RuntimeError(
-        f"generation subprocess failed (rc {proc.returncode}):\n"
+        f"{' '.join(argv)} failed (rc {proc.returncode}):\n"
         + error_lines(proc.stdout + proc.stderr)
         + f"\n--- stderr tail ---\n{proc.stderr[-6000:]}"
     )
