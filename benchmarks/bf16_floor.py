@@ -17,13 +17,18 @@ logprobs. The e2e tests hold ours to it (``testing/workloads.py``:
 
 import argparse
 import json
-import os
 from typing import Any
 
+from vllm_neuron_sched.testing.checkpoint import (
+    CACHE_DIR,
+    DEFAULT_CHECKPOINT,
+    CheckpointSpec,
+)
 from vllm_neuron_sched.testing.oracle import generate_in_subprocess
 from vllm_neuron_sched.testing.workloads import NGRAM, STOCK_ENV, mixed_prompts
 
-# Requests of real text for the real model (chat template applied).
+# Requests of real text for the real model, as ChatML user turns (its
+# template's format, without a system prompt).
 REAL_QUESTIONS = [
     "Repeat this sentence three times: the quick brown fox jumps over the dog.",
     "List the numbers from 1 to 20 separated by commas.",
@@ -37,27 +42,26 @@ REAL_QUESTIONS = [
 
 
 def _prompts(model: str) -> tuple[str, list[Any]]:
-    if model in ("sliding_window", "moe"):
-        from vllm_neuron_sched.testing.checkpoint import CheckpointSpec, make_checkpoint
+    if model in TINY_MODELS:
+        from vllm_neuron_sched.testing.checkpoint import ensure_checkpoint
 
-        spec = CheckpointSpec(sliding_window=32)
-        if model == "moe":
-            spec = CheckpointSpec(num_experts=4)
-        path = make_checkpoint(
-            os.path.expanduser(f"~/.cache/vllm_neuron_sched/tiny-{model}"), spec
-        )
-        return str(path), mixed_prompts()
-    if model == "tiny":
-        from vllm_neuron_sched.testing.checkpoint import make_checkpoint
-
-        path = make_checkpoint(
-            os.path.expanduser("~/.cache/vllm_neuron_sched/tiny-llama")
-        )
-        return str(path), mixed_prompts()
+        path, spec = TINY_MODELS[model]
+        return str(ensure_checkpoint(path, spec)), mixed_prompts()
     from vllm_neuron_sched.testing.real_model import ensure_real_checkpoint
 
     chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
     return str(ensure_real_checkpoint()), [chat.format(q) for q in REAL_QUESTIONS]
+
+
+# The test models (tests/e2e/test_engine_features.py), made once.
+TINY_MODELS: dict[str, tuple[Any, CheckpointSpec | None]] = {
+    "tiny": (DEFAULT_CHECKPOINT, None),
+    "sliding_window": (
+        CACHE_DIR / "tiny-sliding-window",
+        CheckpointSpec(sliding_window=32),
+    ),
+    "moe": (CACHE_DIR / "tiny-moe", CheckpointSpec(num_experts=4)),
+}
 
 
 def top2_gap(step: dict[str, float]) -> float:
@@ -87,9 +91,7 @@ def compare(ours: list[dict], stock: list[dict]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--model", choices=["tiny", "sliding_window", "moe", "real"], default="tiny"
-    )
+    parser.add_argument("--model", choices=[*TINY_MODELS, "real"], default="tiny")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument(
         "--ours",

@@ -19,12 +19,10 @@ import torch
 from vllm.sampling_params import SamplingType
 from vllm.utils.math_utils import cdiv
 from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from vllm_neuron_sched.worker.sampling_state import (
-    BatchChange,
-    recording_processors,
-)
+from vllm_neuron_sched.worker.sampling_state import BatchChange, BatchUpdateRecorder
 from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID, DeviceTokens
 
 if TYPE_CHECKING:
@@ -136,8 +134,7 @@ class HostRequestState:
         self.input_batch: InputBatch | None = None
         # The input batch's logits processors: a recorder of its changes,
         # which the device's processors take (``sampling_state.py``).
-        processors, self._recorder = recording_processors()
-        self._processors = processors
+        self._recorder = BatchUpdateRecorder()
 
     def allocate_batch(
         self, block_sizes: list[int], max_model_len: int, **kwargs: Any
@@ -152,7 +149,7 @@ class HostRequestState:
             vocab_size=self.vocab_size,
             block_sizes=block_sizes,
             max_num_blocks_per_req=[cdiv(max_model_len, bs) for bs in block_sizes],
-            logitsprocs=self._processors,
+            logitsprocs=LogitsProcessors([self._recorder]),
             **kwargs,
         )
         return self.input_batch
@@ -234,7 +231,6 @@ class HostRequestState:
             added=rows,
             moved=() if batch_update is None else batch_update.moved,
             finished=finished,
-            batch_changed=batch_update is not None,
         )
 
     def _drop_finished(self, finished_req_ids: set[str], update: StepUpdate) -> None:

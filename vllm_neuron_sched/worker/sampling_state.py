@@ -51,7 +51,12 @@ class BatchChange:
     added: Sequence[AddedRow]
     moved: Sequence["MovedRequest"]
     finished: Sequence[str]
-    batch_changed: bool  # False: only requests outside the batch finished
+
+    @property
+    def batch_changed(self) -> bool:
+        """False: only requests outside the batch finished (vLLM's input
+        batch reports no change as no ``BatchUpdate`` at all)."""
+        return bool(self.removed or self.added or self.moved)
 
 
 class BatchUpdateRecorder(LogitsProcessor):
@@ -72,12 +77,6 @@ class BatchUpdateRecorder(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
-
-
-def recording_processors() -> tuple[LogitsProcessors, BatchUpdateRecorder]:
-    """The processors the host's input batch holds, and their recorder."""
-    recorder = BatchUpdateRecorder()
-    return LogitsProcessors([recorder]), recorder
 
 
 class SamplingState:

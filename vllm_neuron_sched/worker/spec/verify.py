@@ -24,7 +24,7 @@ from vllm_neuron_sched.worker.results import (
     VerifyForward,
     make_output_materializer,
 )
-from vllm_neuron_sched.worker.sampling import snapshot_sampling_metadata
+from vllm_neuron_sched.worker.sampling import sampling_inputs
 from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
 from vllm_neuron_sched.worker.spec.grammar import (
     VerifyGrammar,
@@ -260,10 +260,13 @@ class VerifyStep:
         grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     ) -> "tuple[DeviceFuture, Materializer[ModelRunnerOutput]]":
         assert self._forward is not None and ctx.proposer is not None
-        metadata = update.batch.sampling_metadata
-        needs_histories = bool(metadata.output_token_ids)
-        if not ctx.device.runs_at_enqueue:
-            metadata = snapshot_sampling_metadata(metadata)
+        # Its grammar masks are planned below, per query.
+        metadata, needs_histories, _ = sampling_inputs(
+            update.batch.sampling_metadata,
+            None,
+            self.req_ids,
+            snapshot=not ctx.device.runs_at_enqueue,
+        )
         verify_grammar = None
         if grammar is not None:
             scheduler_output, grammar_output = grammar
