@@ -2,22 +2,21 @@
 
     python -m benchmarks.speculative --out /tmp/bench_spec [--repeats 3]
 
-Each configuration runs in its own process (vLLM picks its platform once per
-process) on the trained repeat checkpoint (``testing/checkpoint.py``), whose
-greedy output continues a token cycle, so n-gram drafts are accepted where the
-history repeats, and with its trained draft model (``*_draft`` modes), which
-is right on every other cycle and wrong on the rest. Workloads:
-``decode_heavy`` (every prompt a repeat prompt, long outputs) and ``mixed``
-(half repeat prompts, half misleading ones whose first drafts are rejected,
-shorter outputs). One warm-up run, then ``--repeats`` timed ``LLM.generate``
-runs of the whole workload; the medians are reported with vLLM's acceptance
-counters and our step counters.
+Each mode runs in its own process (vLLM picks its platform once per process):
+stock vLLM with and without n-gram drafts, ours sync and async with and
+without them. The default model is SmolLM2-135M-Instruct
+(``testing/real_model.py``) on copy-heavy chat prompts (copy a table, fix the
+typos in a paragraph, list a log's WARN lines, continue a numbered list,
+rename a function, repeat a sentence, reformat JSON, repeat a passage): each
+answer copies long runs from its prompt, the n-gram proposer's case; greedy,
+EOS on, 96 tokens at most. A closed-loop client keeps ``--concurrency``
+requests in flight through the engine's own step loop; one warm-up pass, then
+``--repeats`` timed passes; medians are reported with vLLM's acceptance
+counters and the ratio to stock's synchronous n-gram.
 
-``--model real`` runs SmolLM2-135M-Instruct instead (``testing/real_model.py``)
-on one ``copy`` workload: chat prompts that ask to repeat, summarize or
-extract from a passage of real text, which a real model answers by copying
-from its prompt (the n-gram proposer's case), greedy with EOS on. There is no
-draft model for it: the ``*_draft`` modes are left out.
+``--model repeat`` runs the trained repeat checkpoint (``testing/checkpoint.py``)
+instead, whose greedy output continues a token cycle, with its trained draft
+model (``*_draft`` modes, right on every other cycle).
 """
 
 import argparse
@@ -31,104 +30,172 @@ from typing import Any
 
 from vllm_neuron_sched.testing.checkpoint import DRAFT_CHECKPOINT
 from vllm_neuron_sched.testing.oracle import run_json_child
+from vllm_neuron_sched.testing.real_model import PASSAGE
 
 RESULT = "SPEC_BENCH_RESULT:"
-K = 3
-NGRAM = {"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The trained draft: right on every other token cycle, wrong on the rest.
-DRAFT = {
-    "method": "draft_model",
-    "model": str(DRAFT_CHECKPOINT),
-    "num_speculative_tokens": K,
-}
+DRAFT = {"method": "draft_model", "model": str(DRAFT_CHECKPOINT)}
 ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 512,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 128,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 256,
     "seed": 0,
     "enable_prefix_caching": False,
     "enforce_eager": True,
     "disable_log_stats": False,
 }
-# name -> (engine keywords, environment)
-MODES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "stock_sync": ({"async_scheduling": False}, {"VLLM_NEURON_SCHED_DISABLE": "1"}),
-    "stock_sync_ngram": (
-        {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
-        {"VLLM_NEURON_SCHED_DISABLE": "1"},
-    ),
-    "ours_async": ({"async_scheduling": True}, {}),
-    "ours_sync_ngram": (
-        {"async_scheduling": False, "speculative_config": {"method": "ngram", **NGRAM}},
-        {},
-    ),
-    "ours_async_ngram": (
-        {
-            "async_scheduling": True,
-            "speculative_config": {"method": "ngram_gpu", **NGRAM},
-        },
-        {},
-    ),
-    "ours_sync_draft": ({"async_scheduling": False, "speculative_config": DRAFT}, {}),
-    "ours_async_draft": ({"async_scheduling": True, "speculative_config": DRAFT}, {}),
+STOCK = {"VLLM_NEURON_SCHED_DISABLE": "1"}
+# name -> (engine keywords, environment, speculative config's method or None)
+MODES: dict[str, tuple[dict[str, Any], dict[str, str], str | None]] = {
+    "stock_sync": ({"async_scheduling": False}, STOCK, None),
+    "stock_sync_ngram": ({"async_scheduling": False}, STOCK, "ngram"),
+    "ours_sync": ({"async_scheduling": False}, {}, None),
+    "ours_async": ({"async_scheduling": True}, {}, None),
+    "ours_sync_ngram": ({"async_scheduling": False}, {}, "ngram"),
+    # vLLM takes n-gram drafts under async scheduling as ngram_gpu only.
+    "ours_async_ngram": ({"async_scheduling": True}, {}, "ngram_gpu"),
+    "ours_sync_draft": ({"async_scheduling": False}, {}, "draft_model"),
+    "ours_async_draft": ({"async_scheduling": True}, {}, "draft_model"),
 }
+BASELINE = "stock_sync_ngram"  # what the ratios are taken against
 
 
+def speculative_config(method: str | None, k: int) -> dict[str, Any] | None:
+    if method is None:
+        return None
+    if method == "draft_model":
+        return {**DRAFT, "num_speculative_tokens": k}
+    return {
+        "method": method,
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+
+
+# Copy-heavy work a user gives a small instruction model: each answer copies
+# long runs from its prompt, the n-gram proposer's case. (instruction, text)
 COPY_TASKS = (
-    "Repeat the text exactly.",
-    "Summarize the text.",
-    "Extract every year and number in the text, with the sentence it is in.",
-    "Repeat the last three sentences of the text exactly.",
-    "List the people and places in the text, quoting where each is named.",
-    "Rewrite the text as a list of short facts.",
-    "Repeat the first two sentences of the text exactly.",
-    "Quote the sentence about the logbooks, then explain it.",
+    (
+        "Copy this table exactly, then add a row for Oslo.",
+        "| city | country | population |\n| --- | --- | --- |\n"
+        "| Lisbon | Portugal | 545,000 |\n| Madrid | Spain | 3,332,000 |\n"
+        "| Paris | France | 2,102,000 |\n| Vienna | Austria | 1,982,000 |\n"
+        "| Prague | Czechia | 1,357,000 |\n| Dublin | Ireland | 592,000 |",
+    ),
+    (
+        "Fix the typos in this paragraph and write it out again in full.",
+        "The comittee met on tuesday to discus the new libary. Every member "
+        "agreed that the bulding needs more light and a quieter reading room. "
+        "The architect will present two designs next month, and the town will "
+        "vote on the one it prefers before the end of the yeer.",
+    ),
+    (
+        "List every WARN line of this log, exactly as written.",
+        "08:00:01 INFO server started on port 8080\n"
+        "08:00:05 WARN disk /data is 91% full\n"
+        "08:01:12 INFO request GET /health 200\n"
+        "08:02:40 WARN slow query on table orders took 2.4 s\n"
+        "08:03:02 INFO request POST /orders 201\n"
+        "08:04:17 WARN retrying connection to cache host cache-2\n"
+        "08:05:00 INFO request GET /orders/17 200\n"
+        "08:06:33 WARN certificate for api.example.com expires in 9 days",
+    ),
+    (
+        "Continue this numbered list up to item 12, in the same format.",
+        "1. Check the tyre pressure.\n2. Check the oil level.\n"
+        "3. Check the brake fluid.\n4. Check the coolant level.\n"
+        "5. Check the windscreen washer fluid.\n6. Check the lights.",
+    ),
+    (
+        "Rename the function load_items to read_records everywhere in this "
+        "code and show the whole code.",
+        "def load_items(path):\n    with open(path) as f:\n"
+        "        return [line.strip() for line in f]\n\n\n"
+        "def count_items(path):\n    return len(load_items(path))\n\n\n"
+        "def first_item(path):\n    items = load_items(path)\n"
+        "    return items[0] if items else None",
+    ),
+    (
+        "Repeat this sentence three times.",
+        "The quick brown fox jumps over the lazy dog near the river bank.",
+    ),
+    (
+        "Rewrite this JSON with one key per line, keeping every value.",
+        '{"id": 4021, "name": "Ada Lovelace", "role": "engineer", "team": '
+        '"compilers", "office": "Berlin", "languages": ["Python", "C++", "Rust"], '
+        '"active": true}',
+    ),
+    ("Repeat the text exactly.", PASSAGE),
 )
 
 
-def copy_prompts(checkpoint: str) -> list[str]:
+def copy_prompts(checkpoint: str, count: int) -> list[str]:
+    """``count`` chat prompts: the tasks in turn (the same prompt twice gives
+    the same answer; requests differ by position in the run)."""
     from transformers import AutoTokenizer
 
-    from vllm_neuron_sched.testing.real_model import PASSAGE, chat_prompt
+    from vllm_neuron_sched.testing.real_model import chat_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    return [chat_prompt(tokenizer, f"{PASSAGE}\n\n{task}") for task in COPY_TASKS]
+    return [
+        chat_prompt(tokenizer, f"{task}\n\n{text}")
+        for task, text in (COPY_TASKS[i % len(COPY_TASKS)] for i in range(count))
+    ]
 
 
-def workload(name: str, checkpoint: str) -> tuple[list, list[int]]:
-    """Prompts (token ids or text) and their output budgets."""
-    from vllm_neuron_sched.testing.checkpoint import repeat_prompt_ids, successor_map
-
+def workload(name: str, checkpoint: str, concurrency: int) -> tuple[list, list[int]]:
+    """Prompts (text or token ids) and their output budgets."""
     if name == "copy":
-        return copy_prompts(checkpoint), [128] * len(COPY_TASKS)
-    repeat = [repeat_prompt_ids(checkpoint, seed, length=32) for seed in range(8)]
-    if name == "decode_heavy":
-        return repeat, [256] * 8
-    succ = successor_map(checkpoint)
-    misleading = []
-    for seed in range(4):
-        a, b = repeat_prompt_ids(checkpoint, 100 + seed, length=2)
-        others = [t for t in succ if t not in (succ[b], a, b)][seed * 7 : seed * 7 + 3]
-        misleading.append(([a, b, *others] * 6)[:30] + [a, b])
-    return repeat[:4] + misleading, [64, 96, 128, 192, 64, 96, 128, 192]
+        # Enough requests that a closed loop refills the batch.
+        count = max(4, concurrency * 3 // 2)
+        return copy_prompts(checkpoint, count), [96] * count
+    from vllm_neuron_sched.testing.checkpoint import repeat_prompt_ids
+
+    count = max(8, concurrency * 3 // 2)
+    prompts = [repeat_prompt_ids(checkpoint, seed, length=32) for seed in range(count)]
+    return prompts, [256] * count
+
+
+def closed_loop(
+    llm: Any, inputs: list, params: list, concurrency: int, tag: str
+) -> tuple[float, list[list[int]]]:
+    """A client that keeps ``concurrency`` requests in flight (a finished one
+    is replaced by the next), through the engine's own step loop: the wall
+    time and each request's output tokens."""
+    engine = llm.llm_engine
+    pending = list(enumerate(zip(inputs, params)))
+    outputs: dict[int, list[int]] = {}
+    in_flight = 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            index, (prompt, sampling) = pending.pop(0)
+            engine.add_request(f"{tag}-{index}", prompt, sampling)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(
+                    out.outputs[0].token_ids
+                )
+                in_flight -= 1
+    return time.perf_counter() - start, [outputs[i] for i in range(len(inputs))]
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from vllm_neuron_sched.testing.oracle import spec_decode_counters
+    from vllm_neuron_sched.testing.oracle import counted_since, spec_decode_counters
 
-    kwargs, _ = MODES[spec["mode"]]
-    llm = LLM(model=spec["checkpoint"], **ENGINE, **kwargs)
-    prompts, budgets = workload(spec["workload"], spec["checkpoint"])
-    inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
-    # Real text ends on EOS; the trained cycles have none worth ending on.
-    ignore_eos = spec["workload"] != "copy"
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
-        for n in budgets
-    ]
+    kwargs, _, method = MODES[spec["mode"]]
+    concurrencies = spec["concurrencies"]
+    llm = LLM(
+        model=spec["checkpoint"],
+        dtype=spec["dtype"],
+        max_num_seqs=max(concurrencies),
+        speculative_config=speculative_config(method, spec["k"]),
+        **ENGINE,
+        **kwargs,
+    )
 
     def stats() -> dict[str, int] | None:
         try:
@@ -136,42 +203,50 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         except Exception:
             return None  # stock vLLM
 
-    llm.generate(inputs, params, use_tqdm=False)  # warm-up
-    before, counters_before = stats(), spec_decode_counters(llm)
-    walls, num_tokens = [], 0
-    for _ in range(spec["repeats"]):
-        start = time.perf_counter()
-        outs = llm.generate(inputs, params, use_tqdm=False)
-        walls.append(time.perf_counter() - start)
-        num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    after, counters_after = stats(), spec_decode_counters(llm)
-    counters = {
-        key: (
-            [a - b for a, b in zip(value, counters_before.get(key, [0] * len(value)))]
-            if isinstance(value, list)
-            else value - counters_before.get(key, 0)
-        )
-        for key, value in counters_after.items()
-    }
-    steps = None
-    if before is not None and after is not None:
-        steps = {key: after[key] - before[key] for key in after}
-    return {
-        "walls": walls,
-        "num_tokens": num_tokens,
-        "tokens_per_request": max(len(o.outputs[0].token_ids) for o in outs),
-        "counters": counters,
-        "steps": steps,
-    }
+    # Real text ends on EOS; the trained cycles have none worth ending on.
+    ignore_eos = spec["workload"] != "copy"
+    results = {}
+    for run_index, concurrency in enumerate(concurrencies):
+        prompts, budgets = workload(spec["workload"], spec["checkpoint"], concurrency)
+        inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+            for n in budgets
+        ]
+        closed_loop(llm, inputs, params, concurrency, f"w{run_index}")  # warm-up
+        before, counters_before = stats(), spec_decode_counters(llm)
+        walls = []
+        for repeat in range(spec["repeats"]):
+            tag = f"c{run_index}r{repeat}"
+            wall, tokens = closed_loop(llm, inputs, params, concurrency, tag)
+            walls.append(wall)
+        after = stats()
+        results[str(concurrency)] = {
+            "walls": walls,
+            "num_tokens": sum(map(len, tokens)),
+            "tokens": tokens,
+            "counters": counted_since(counters_before, spec_decode_counters(llm)),
+            "steps": None
+            if before is None or after is None
+            else {key: after[key] - before[key] for key in after},
+        }
+    return results
 
 
-def run(mode: str, name: str, checkpoint: str, repeats: int) -> dict[str, Any]:
-    spec = {"mode": mode, "workload": name, "checkpoint": checkpoint}
-    spec["repeats"] = repeats
+def run(mode: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec = {
+        "mode": mode,
+        "dtype": dtype,
+        "workload": args.workload,
+        "checkpoint": args.checkpoint,
+        "repeats": args.repeats,
+        "concurrencies": args.concurrency,
+        "k": args.k,
+    }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **MODES[mode][1]}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     return run_json_child(
-        ["-m", "benchmarks.speculative", "--child"], spec, env, RESULT, 1800
+        ["-m", "benchmarks.speculative", "--child"], spec, env, RESULT, 3600
     )
 
 
@@ -183,11 +258,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     num_drafts = counters.get("num_drafts", 0)
     return {
         "tok_s": result["num_tokens"] / wall,
-        # All requests decode together: the longest one's wall per token.
-        "tpot_ms": 1000 * wall / result["tokens_per_request"],
-        "acceptance": counters.get("num_accepted_tokens", 0) / drafts
+        "acceptance": round(counters.get("num_accepted_tokens", 0) / drafts, 3)
         if drafts
         else None,
+        "draft_tokens": drafts or None,
         "per_position": [round(n / num_drafts, 3) for n in per_pos]
         if num_drafts
         else None,
@@ -199,9 +273,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_spec"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--workloads", default=None, help="default: per model")
-    parser.add_argument("--model", choices=("repeat", "real"), default="repeat")
+    parser.add_argument("--modes", default=None, help="default: per model")
+    parser.add_argument("--model", choices=("repeat", "real"), default="real")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--concurrency", default="1,4,16", help="requests in flight, comma-separated"
+    )
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -210,32 +288,43 @@ def main() -> None:
     from vllm_neuron_sched.testing.checkpoint import ensure_trained_checkpoints
     from vllm_neuron_sched.testing.real_model import ensure_real_checkpoint
 
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.model == "real":
-        checkpoint = str(ensure_real_checkpoint())
-        args.workloads = args.workloads or "copy"
-        modes = [m for m in args.modes.split(",") if not m.endswith("_draft")]
+        args.checkpoint = str(ensure_real_checkpoint())
+        args.workload = "copy"
+        # There is no draft model for it.
+        modes = [m for m in MODES if m not in ("ours_sync_draft", "ours_async_draft")]
     else:
-        checkpoint = str(ensure_trained_checkpoints()[0])
-        args.workloads = args.workloads or "decode_heavy,mixed"
-        modes = args.modes.split(",")
+        args.checkpoint = str(ensure_trained_checkpoints()[0])
+        args.workload = "decode_heavy"
+        modes = list(MODES)
+    modes = args.modes.split(",") if args.modes else modes
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"load average at start: {os.getloadavg()}")
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     table: dict[str, dict[str, Any]] = {}
-    for name in args.workloads.split(","):
+    for dtype in args.dtypes.split(","):
         for mode in modes:
-            raw = run(mode, name, checkpoint, args.repeats)
-            table[f"{name}/{mode}"] = {"raw": raw, **summarize(raw)}
-            row = table[f"{name}/{mode}"]
-            print(
-                f"{name:13s} {mode:18s} {row['tok_s']:8.0f} tok/s "
-                f"TPOT {row['tpot_ms']:6.2f} ms acceptance {row['acceptance']} "
-                f"per position {row['per_position']} steps {row['steps']}",
-                flush=True,
-            )
+            raw = run(mode, dtype, args)
+            for concurrency, result in raw.items():
+                table[f"{dtype}/{concurrency}/{mode}"] = {
+                    "raw": result,
+                    **summarize(result),
+                }
+    print(f"load average at end: {os.getloadavg()}", flush=True)
+    for key, row in table.items():
+        dtype, concurrency, mode = key.split("/")
+        base = table.get(f"{dtype}/{concurrency}/{BASELINE}")
+        stock = table.get(f"{dtype}/{concurrency}/stock_sync")
+        ratio = row["tok_s"] / base["tok_s"] if base else float("nan")
+        same = "" if stock is None else row["raw"]["tokens"] == stock["raw"]["tokens"]
+        print(
+            f"{dtype:9s} c={concurrency:3s} {mode:18s} {row['tok_s']:7.1f} tok/s "
+            f"x{ratio:5.2f} of {BASELINE}  acceptance {row['acceptance']} "
+            f"(drafted {row['draft_tokens']})  = stock_sync tokens: {same}"
+        )
     report = {
         "command": " ".join(["python -m benchmarks.speculative", *sys.argv[1:]]),
-        "model": checkpoint,
-        "loadavg_end": os.getloadavg(),
+        "model": args.checkpoint,
         "results": table,
     }
     (args.out / "speculative.json").write_text(json.dumps(report, indent=2))
