@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # runtime/backends.py (which asserts that at import). An installed package adds
 # its own under the entry-point group DEVICE_ENTRY_POINTS. Names only, no
 # import, so the variable is checked in processes that load no backend.
-BUILTIN_DEVICE_KINDS = ("auto", "thread", "inline")
+BUILTIN_DEVICE_KINDS = ("auto", "thread", "inline", "compiled")
 DEVICE_ENTRY_POINTS = "vllm_neuron_sched.devices"
 
 
@@ -101,7 +101,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1": do not activate the platform; stock vLLM CPU runs (the tests' oracle).
     "VLLM_NEURON_SCHED_DISABLE": _bool("VLLM_NEURON_SCHED_DISABLE", "0"),
     # Device runtime backend: "thread" (a device thread per worker), "inline"
-    # (runs at enqueue on the worker's thread), "auto": inline when the
+    # (runs at enqueue on the worker's thread), "compiled" (a device thread
+    # running the forward compiled once per declared shape at start-up; a
+    # recompile while serving is an error), "auto": inline when the
     # device is the worker's own cores, thread when a simulated device
     # latency is set (runtime/backends.py says why); or a kind an installed
     # package registers (entry-point group vllm_neuron_sched.devices).

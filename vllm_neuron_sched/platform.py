@@ -38,6 +38,22 @@ WORKER = "vllm_neuron_sched.worker.worker.NeuronSchedWorker"
 DEFAULT_BLOCK_SIZE = 64
 
 
+def compile_per_shape_in_runner(vllm_config: "VllmConfig") -> None:
+    """The compiled device: our runner compiles the model itself, one graph
+    per declared shape (``worker/compiled.py``), where vLLM's CPU platform
+    would trace it once with a dynamic token count and no guards."""
+    from vllm.config import CompilationMode
+
+    compilation = vllm_config.compilation_config
+    if compilation.mode == CompilationMode.NONE:
+        raise ValueError(
+            "VLLM_NEURON_SCHED_DEVICE=compiled compiles the forward once per "
+            "declared shape at start-up; it cannot run with --enforce-eager "
+            "(compilation mode none): drop one or the other"
+        )
+    compilation.mode = CompilationMode.STOCK_TORCH_COMPILE
+
+
 def workers_on_this_node(parallel_config: "ParallelConfig") -> int:
     """This node's share of one replica's ranks (multi-node TP), times the
     replicas it runs (data parallel): the workers that need cores here."""
@@ -231,6 +247,12 @@ class NeuronSchedPlatform(CpuPlatform):
 
         super().check_and_update_config(vllm_config)
         check_thread_binding(workers_on_this_node(parallel_config))
+        if (
+            runs_our_runner
+            and not is_pooling
+            and envs.VLLM_NEURON_SCHED_DEVICE == "compiled"
+        ):
+            compile_per_shape_in_runner(vllm_config)
 
         if is_pooling and requested_async:
             logger.info_once(

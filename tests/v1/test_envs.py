@@ -11,7 +11,10 @@ from vllm_neuron_sched.testing.scheduler_loop import build_scheduler
 # One malformed value per variable, and what the message must say.
 BAD_VALUES = {
     "VLLM_NEURON_SCHED_DISABLE": ("maybe", "expected a boolean"),
-    "VLLM_NEURON_SCHED_DEVICE": ("gpu", "expected one of auto, thread, inline"),
+    "VLLM_NEURON_SCHED_DEVICE": (
+        "gpu",
+        "expected one of auto, thread, inline, compiled",
+    ),
     "VLLM_NEURON_SCHED_SIM_DEVICE_MS": ("fast", "milliseconds, a number >= 0"),
     "VLLM_NEURON_SCHED_MAX_BATCH_TKV_LIMIT": ("-5", "an integer >= 0"),
     "VLLM_NEURON_SCHED_PREFILL_INTERLEAVING": ("sometimes", "expected a boolean"),
@@ -59,5 +62,7 @@ def test_a_backend_that_does_not_exist_is_refused_at_start_up(
     """There is no Neuron backend (docs/design.md, section 9, says what one
     must implement): asking for one fails before any process starts."""
     monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "neuron")
-    with pytest.raises(ValueError, match="expected one of auto, thread, inline \\["):
+    with pytest.raises(
+        ValueError, match="expected one of auto, thread, inline, compiled \\["
+    ):
         build_scheduler(ChunkedPrefillScheduler, checkpoint_dir, async_scheduling=True)

@@ -1,4 +1,5 @@
-"""Device backends (thread, inline) and ``make_device``, which picks one.
+"""Device backends (thread, inline, compiled) and ``make_device``, which
+picks one.
 
 A port to real hardware is a package of its own that registers its ``Device``
 subclass under the entry-point group ``vllm_neuron_sched.devices`` (name: its
@@ -79,6 +80,18 @@ def _run_ahead_of_host() -> None:
         logger.info("device thread keeps the host's priority (%s)", error)
 
 
+class CompiledDevice(ThreadDevice):
+    """A device thread whose programs are graphs compiled at start-up, one per
+    declared shape, as a static-shape compiler (Neuron's NEFFs) makes them:
+    the runner compiles the forward for every shape its buckets declare
+    before serving, and a shape that would compile while serving fails its
+    execution with ``ShapeNotCompiledError`` instead of running a graph
+    nobody declared (docs/design.md, section 9)."""
+
+    kind = "compiled"
+    compiles_per_shape = True
+
+
 class InlineDevice(Device):
     """Runs each execution at enqueue time, on the caller's thread: the CPU
     default, where the device is the worker's own cores. The futures and the
@@ -117,7 +130,7 @@ def _warn_still_running(device: Device, timeout_s: float | None) -> None:
 # Kind -> built-in backend. envs.BUILTIN_DEVICE_KINDS names them for the
 # start-up check, in processes that never import a backend.
 DEVICE_BACKENDS: dict[str, type[Device]] = {
-    backend.kind: backend for backend in (ThreadDevice, InlineDevice)
+    backend.kind: backend for backend in (ThreadDevice, InlineDevice, CompiledDevice)
 }
 assert ("auto", *DEVICE_BACKENDS) == envs.BUILTIN_DEVICE_KINDS, (
     f"envs.BUILTIN_DEVICE_KINDS {envs.BUILTIN_DEVICE_KINDS} must list 'auto' "

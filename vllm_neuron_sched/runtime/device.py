@@ -50,6 +50,9 @@ class Device(ABC):
     # True: an execution completes inside enqueue(), on the caller's thread,
     # so nothing it reads can change under it.
     runs_at_enqueue: bool = False
+    # True: the runner compiles every program once per declared shape before
+    # serving, and a new shape while serving is an error.
+    compiles_per_shape: bool = False
 
     def __init__(self, label: str = "device", sim_device_ms: float = 0.0) -> None:
         self.label = label  # names the device thread, futures and log lines

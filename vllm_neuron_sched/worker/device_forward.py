@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.forward_context import set_forward_context
 
+from vllm_neuron_sched.worker.compiled import declared_shape
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.sequence import IntermediateTensors
@@ -47,11 +49,14 @@ def run_model(
     host). A pipeline stage that is not the first starts from the previous
     stage's ``intermediate_tensors``; one that is not the last returns its
     own instead of hidden states."""
-    with set_forward_context(
-        build_attention_metadata(attn_inputs),
-        vllm_config,
-        num_tokens=num_tokens_padded,
-        slot_mapping=slot_mapping,
+    with (
+        set_forward_context(
+            build_attention_metadata(attn_inputs),
+            vllm_config,
+            num_tokens=num_tokens_padded,
+            slot_mapping=slot_mapping,
+        ),
+        declared_shape(model, num_tokens_padded),
     ):
         if intermediate_tensors is None:
             return model(input_ids=input_ids, positions=positions)

@@ -63,6 +63,12 @@ from vllm_neuron_sched.core.prefill_shapes import engine_prefill_shapes
 from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
+from vllm_neuron_sched.worker.compiled import (
+    compile_per_shape,
+    forward_graphs,
+    forward_sizes,
+    warm_up,
+)
 from vllm_neuron_sched.worker.host_state import (
     HostRequestState,
     StepUpdate,
@@ -279,6 +285,9 @@ class NeuronSchedModelRunner:
         self.model = get_model(vllm_config=self.vllm_config)
         if self.draft is not None:
             self.draft.load()
+        if self.device.compiles_per_shape:
+            for model in self._models():
+                compile_per_shape(model, self.vllm_config)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -311,8 +320,20 @@ class NeuronSchedModelRunner:
         )
 
     def warming_up_model(self) -> None:
-        """Compiles the model for its general shape before serving (the CPU
-        worker calls this while sizing memory)."""
+        """Compiles the model before serving (the CPU worker calls this while
+        sizing memory): for its general shape, or on the compiled device for
+        every declared shape."""
+        if self.device.compiles_per_shape:
+            spec = self.ctx.speculation
+            warm_up(
+                self._models(),
+                forward_sizes(
+                    self.ctx.buckets, 1 if spec is None else 1 + spec.num_tokens
+                ),
+                lambda size: self.device.enqueue(self._dummy_forward, size).result(),
+                f"{self.device.label}: forward",
+            )
+            return
         if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
             return
         logger.info("Warming up model for compilation...")
@@ -514,14 +535,24 @@ class NeuronSchedModelRunner:
             return nullcontext()
         return self.flow.host_section(name)
 
+    def get_compiled_shapes(self) -> dict[str, Any]:
+        models = self._models()
+        return {
+            "declared": getattr(models[0], "declared_shapes", None),
+            "forward_graphs": forward_graphs(models),
+        }
+
+    def _models(self) -> list[torch.nn.Module]:
+        """The target, then the draft model where there is one."""
+        return [self.model] + ([] if self.draft is None else [self.draft.model])
+
     def _dummy_forward(self, num_tokens: int) -> None:
-        models = [self.model] + ([] if self.draft is None else [self.draft.model])
         stage = self.ctx.stage
         with (
             torch.inference_mode(),
             set_forward_context(None, self.vllm_config, num_tokens=num_tokens),
         ):
-            for model in models:
+            for model in self._models():
                 kwargs: dict[str, Any] = {}
                 if stage is not None and not stage.is_first:
                     # Zeros at the shape: compiling needs no peer.

@@ -144,6 +144,14 @@ class NeuronSchedWorker(CPUWorker):
             return dict.fromkeys(COUNTERS, 0)
         return self.model_runner.get_async_scheduling_stats()
 
+    def get_compiled_shapes(self) -> dict[str, Any]:
+        """The shapes the compiled device declared (None on other devices)
+        and the graphs dynamo holds for the forwards (its own cache entries):
+        ``collective_rpc("get_compiled_shapes")``."""
+        if not isinstance(self.model_runner, NeuronSchedModelRunner):
+            return {"declared": None, "forward_graphs": 0}
+        return self.model_runner.get_compiled_shapes()
+
     def get_rank_state(self) -> dict[str, Any]:
         """This rank's in-flight steps and host-history digest, for TP
         consistency checks: ``collective_rpc("get_rank_state")``."""

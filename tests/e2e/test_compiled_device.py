@@ -1,0 +1,55 @@
+"""The compiled device (``VLLM_NEURON_SCHED_DEVICE=compiled``): the forward
+compiled at start-up once per declared shape, async with n-gram speculation on
+the device, serving stock vLLM CPU's tokens without compiling anything more
+(dynamo's own cache entries for the forward, read in the worker). The graphs
+run on dynamo's ``eager`` backend here (seconds to compile on 2 cores); the
+benchmark's runs use inductor, vLLM's default."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_neuron_sched.testing.in_process import in_process_llm
+from vllm_neuron_sched.testing.oracle import generate, start_in_subprocess
+from vllm_neuron_sched.testing.workloads import (
+    MODES,
+    SMALL_ENGINE,
+    STOCK_ENV,
+    mixed_greedy,
+    mixed_prompts,
+)
+
+pytestmark = pytest.mark.slow
+
+# Stock's compile mode, which our runner drives per shape (the CPU platform
+# would trace once with a dynamic token count).
+COMPILED = {
+    **{k: v for k, v in SMALL_ENGINE.items() if k != "enforce_eager"},
+    "compilation_config": {"mode": 1, "backend": "eager"},
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(checkpoint_dir: str) -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_NEURON_SCHED_DEVICE", "compiled")
+        with in_process_llm(checkpoint_dir, **COMPILED, **MODES["async_ngram"]) as llm:
+            yield llm
+
+
+def test_compiled_serves_stock_tokens_without_compiling(
+    checkpoint_dir: str, compiled_llm: Any
+) -> None:
+    stock = start_in_subprocess(
+        checkpoint_dir, mixed_prompts(), mixed_greedy(), SMALL_ENGINE, STOCK_ENV
+    )
+    (before,) = compiled_llm.collective_rpc("get_compiled_shapes")
+    declared = before["declared"]
+    # decode rows of 1 and 1 + K queries, prefill shapes, token buckets
+    assert declared is not None and {1, 2, 4, 16, 32} <= set(declared)
+    assert before["forward_graphs"] == len(declared)
+    ours = generate(compiled_llm, mixed_prompts(), mixed_greedy())
+    (after,) = compiled_llm.collective_rpc("get_compiled_shapes")
+    assert after["forward_graphs"] == len(declared)  # nothing recompiled
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

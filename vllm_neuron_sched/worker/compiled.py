@@ -1,0 +1,123 @@
+"""The forward as a static-shape compiler makes it: one graph per declared
+shape, all compiled before serving (the ``compiled`` device backend).
+
+A Neuron or Spyre port compiles a graph per bucket when the model loads and
+treats a shape nobody declared as an error. ``torch.compile(fullgraph=True,
+dynamic=False)`` holds the same contract on the CPU: a graph break fails the
+warm-up, each declared token count gets a graph of its own, and once serving
+starts, torch's ``fail_on_recompile`` stance (around each forward, not
+process-wide) turns a new shape into an error that names the model and the
+shape (docs/design.md, section 9).
+"""
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.exc import RecompileError
+from torch._dynamo.utils import counters
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_neuron_sched.worker.buckets import Buckets
+
+logger = init_logger(__name__)
+
+
+class ShapeNotCompiledError(RuntimeError):
+    """A forward at a shape no graph was compiled for at start-up."""
+
+
+def compile_per_shape(model: torch.nn.Module, vllm_config: "VllmConfig") -> None:
+    """Wraps ``model`` (in place) so that each input shape is a graph of its
+    own, traced whole; vLLM's configured backend (inductor by default) makes
+    the graphs."""
+    backend = vllm_config.compilation_config.init_backend(vllm_config)
+    model.compile(fullgraph=True, dynamic=False, backend=backend)
+
+
+def forward_sizes(buckets: "Buckets", verify_width: int) -> tuple[int, ...]:
+    """Every token count a forward runs at: decode buckets (one query per
+    row, and ``verify_width`` queries per row in a verify step or a draft
+    model's ingest), the declared prefill shapes and the token-count
+    buckets of steps no prefill shape holds."""
+    widths = {1, verify_width}
+    sizes = {rows * width for rows in buckets.decode for width in widths}
+    sizes.update(buckets.prefill)
+    sizes.update(shape.size for shape in buckets.prefill_shapes)
+    return tuple(sorted(sizes))
+
+
+def num_graphs() -> int:
+    """Graphs torch has compiled in this process (its own counter)."""
+    return counters["stats"]["unique_graphs"]
+
+
+def forward_graphs(models: Iterable[torch.nn.Module]) -> int:
+    """The graphs dynamo holds for these models' forwards (its cache entries
+    per code object): one per declared shape after the warm-up, and no more
+    while serving."""
+    codes = {type(model).forward.__code__ for model in models}
+    return sum(len(_debug_get_cache_entry_list(code)) for code in codes)
+
+
+def warm_up(
+    models: list[torch.nn.Module],
+    sizes: Iterable[int],
+    run_at: Callable[[int], Any],
+    what: str,
+) -> None:
+    """Compiles a graph per size for each of ``models`` (``run_at(size)``
+    runs their forwards there), checks that a second pass compiles nothing,
+    and from then on holds each model to those sizes (``declared_shape``)."""
+    sizes = tuple(sizes)
+    graphs_before, start = num_graphs(), time.perf_counter()
+    for size in sizes:
+        run_at(size)
+    compiled = num_graphs() - graphs_before
+    for size in sizes:
+        run_at(size)
+    if num_graphs() != graphs_before + compiled:
+        raise RuntimeError(
+            f"{what}: a second pass over the declared shapes compiled "
+            f"{num_graphs() - graphs_before - compiled} more graph(s): a guard "
+            "depends on something other than the shape"
+        )
+    for model in models:
+        model.declared_shapes = sizes
+    logger.info(
+        "%s: compiled %d graph(s) for %d declared token counts %s in %.1f s",
+        what,
+        compiled,
+        len(sizes),
+        list(sizes),
+        time.perf_counter() - start,
+    )
+
+
+@contextmanager
+def declared_shape(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
+    """A model ``warm_up`` compiled runs only its graphs here: a shape that
+    would compile is an error naming the model and the shape."""
+    sizes = getattr(model, "declared_shapes", None)
+    if sizes is None:
+        yield
+        return
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield
+    except (RecompileError, RuntimeError) as error:
+        # torch 2.13 raises a RuntimeError naming the stance.
+        if not isinstance(error, RecompileError) and "fail_on_recompile" not in str(
+            error
+        ):
+            raise
+        raise ShapeNotCompiledError(
+            f"compiled device: {type(model).__name__} ran at {num_tokens} "
+            f"tokens, a shape not compiled at start-up (declared: {list(sizes)})"
+        ) from error
