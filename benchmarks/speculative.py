@@ -44,6 +44,7 @@ ENGINE = {
     "disable_log_stats": False,
 }
 STOCK = {"VLLM_NEURON_SCHED_DISABLE": "1"}
+COMPILED = {"VLLM_NEURON_SCHED_DEVICE": "compiled"}
 # name -> (engine keywords, environment, speculative config's method or None)
 MODES: dict[str, tuple[dict[str, Any], dict[str, str], str | None]] = {
     "stock_sync": ({"async_scheduling": False}, STOCK, None),
@@ -54,6 +55,33 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, str], str | None]] = {
     # vLLM takes n-gram drafts under async scheduling as ngram_gpu only.
     "ours_async_ngram": ({"async_scheduling": True}, {}, "ngram_gpu"),
     "ours_sync_draft": ({"async_scheduling": False}, {}, "draft_model"),
+    # Compiled forwards: stock's default (one graph, dynamic token count) and
+    # our compiled device (one graph per declared shape, at start-up).
+    "stock_sync_compiled": (
+        {"async_scheduling": False, "enforce_eager": False},
+        STOCK,
+        None,
+    ),
+    "stock_sync_ngram_compiled": (
+        {"async_scheduling": False, "enforce_eager": False},
+        STOCK,
+        "ngram",
+    ),
+    "ours_sync_compiled": (
+        {"async_scheduling": False, "enforce_eager": False},
+        COMPILED,
+        None,
+    ),
+    "ours_async_compiled": (
+        {"async_scheduling": True, "enforce_eager": False},
+        COMPILED,
+        None,
+    ),
+    "ours_async_ngram_compiled": (
+        {"async_scheduling": True, "enforce_eager": False},
+        COMPILED,
+        "ngram_gpu",
+    ),
     "ours_async_draft": ({"async_scheduling": True}, {}, "draft_model"),
 }
 BASELINE = "stock_sync_ngram"  # what the ratios are taken against
@@ -188,14 +216,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     kwargs, _, method = MODES[spec["mode"]]
     concurrencies = spec["concurrencies"]
+    start = time.perf_counter()
     llm = LLM(
         model=spec["checkpoint"],
         dtype=spec["dtype"],
         max_num_seqs=max(concurrencies),
         speculative_config=speculative_config(method, spec["k"]),
-        **ENGINE,
-        **kwargs,
+        **{**ENGINE, **kwargs},
     )
+    start_s = time.perf_counter() - start
 
     def stats() -> dict[str, int] | None:
         try:
@@ -226,6 +255,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "num_tokens": sum(map(len, tokens)),
             "tokens": tokens,
             "counters": counted_since(counters_before, spec_decode_counters(llm)),
+            "start_s": start_s,
             "steps": None
             if before is None or after is None
             else {key: after[key] - before[key] for key in after},
@@ -266,6 +296,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if num_drafts
         else None,
         "steps": result["steps"],
+        "start_s": round(result["start_s"], 1),
     }
 
 
@@ -293,11 +324,11 @@ def main() -> None:
         args.checkpoint = str(ensure_real_checkpoint())
         args.workload = "copy"
         # There is no draft model for it.
-        modes = [m for m in MODES if m not in ("ours_sync_draft", "ours_async_draft")]
+        modes = [m for m in MODES if not m.endswith(("_draft", "_compiled"))]
     else:
         args.checkpoint = str(ensure_trained_checkpoints()[0])
         args.workload = "decode_heavy"
-        modes = list(MODES)
+        modes = [m for m in MODES if not m.endswith("_compiled")]
     modes = args.modes.split(",") if args.modes else modes
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -320,7 +351,8 @@ def main() -> None:
         print(
             f"{dtype:9s} c={concurrency:3s} {mode:18s} {row['tok_s']:7.1f} tok/s "
             f"x{ratio:5.2f} of {BASELINE}  acceptance {row['acceptance']} "
-            f"(drafted {row['draft_tokens']})  = stock_sync tokens: {same}"
+            f"(drafted {row['draft_tokens']})  = stock_sync tokens: {same}  "
+            f"start {row['start_s']} s"
         )
     report = {
         "command": " ".join(["python -m benchmarks.speculative", *sys.argv[1:]]),

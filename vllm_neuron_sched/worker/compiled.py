@@ -76,6 +76,11 @@ def warm_up(
     runs their forwards there), checks that a second pass compiles nothing,
     and from then on holds each model to those sizes (``declared_shape``)."""
     sizes = tuple(sizes)
+    # A graph per size for each model (a draft of the target's class shares
+    # its code, and dynamo's limit counts graphs per code object).
+    needed = len(sizes) * len(models)
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
     graphs_before, start = num_graphs(), time.perf_counter()
     for size in sizes:
         run_at(size)

@@ -56,6 +56,17 @@ def test_one_graph_per_declared_shape_then_no_other() -> None:
     assert num_graphs() - before == 3
 
 
+def test_more_shapes_than_dynamos_default_limit() -> None:
+    """vLLM's declared grids run to a dozen shapes and more; dynamo keeps 8
+    graphs per function unless told otherwise."""
+    model = _compiled(Mlp())
+    sizes = tuple(range(1, 21))
+    warm_up([model], sizes, lambda n: model(torch.randn(n, 8)), "mlp")
+    for size in sizes:
+        with declared_shape(model, size):
+            model(torch.randn(size, 8))
+
+
 def test_a_graph_break_fails_the_warm_up() -> None:
     model = _compiled(DataDependent())
     with pytest.raises(Exception, match="(?i)graph break|item|data-dependent"):
