@@ -69,24 +69,24 @@ def forward_graphs(models: Iterable[torch.nn.Module]) -> int:
 def warm_up(
     models: list[torch.nn.Module],
     sizes: Iterable[int],
-    run_at: Callable[[int], Any],
+    forward_at: Callable[[int], Any],
+    on_device: Callable[..., Any],
     what: str,
 ) -> None:
-    """Compiles a graph per size for each of ``models`` (``run_at(size)``
-    runs their forwards there), checks that a second pass compiles nothing,
-    and from then on holds each model to those sizes (``declared_shape``)."""
+    """Compiles a graph per size for each of ``models`` (``forward_at(size)``
+    runs their forwards there; ``on_device(fn, *args)`` runs ``fn`` where the
+    forwards run and waits), checks that a second pass compiles nothing, and
+    from then on holds each model to those sizes (``declared_shape``)."""
     sizes = tuple(sizes)
     # A graph per size for each model (a draft of the target's class shares
     # its code, and dynamo's limit counts graphs per code object).
-    needed = len(sizes) * len(models)
-    if torch._dynamo.config.recompile_limit < needed:
-        torch._dynamo.config.recompile_limit = needed
+    on_device(_allow_graphs, len(sizes) * len(models))
     graphs_before, start = num_graphs(), time.perf_counter()
     for size in sizes:
-        run_at(size)
+        on_device(forward_at, size)
     compiled = num_graphs() - graphs_before
     for size in sizes:
-        run_at(size)
+        on_device(forward_at, size)
     if num_graphs() != graphs_before + compiled:
         raise RuntimeError(
             f"{what}: a second pass over the declared shapes compiled "
@@ -103,6 +103,13 @@ def warm_up(
         list(sizes),
         time.perf_counter() - start,
     )
+
+
+def _allow_graphs(num_graphs: int) -> None:
+    """Dynamo's per-function graph limit (8 by default), which its config
+    keeps per thread: set on the thread that compiles."""
+    if torch._dynamo.config.recompile_limit < num_graphs:
+        torch._dynamo.config.recompile_limit = num_graphs
 
 
 @contextmanager

@@ -330,7 +330,8 @@ class NeuronSchedModelRunner:
                 forward_sizes(
                     self.ctx.buckets, 1 if spec is None else 1 + spec.num_tokens
                 ),
-                lambda size: self.device.enqueue(self._dummy_forward, size).result(),
+                self._dummy_forward,
+                lambda fn, *args: self.device.enqueue(fn, *args).result(),
                 f"{self.device.label}: forward",
             )
             return

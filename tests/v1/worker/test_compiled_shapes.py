@@ -2,6 +2,10 @@
 declared shape, compiled before serving; a graph break fails the warm-up; a
 shape nobody declared fails its forward, naming the model and the shapes."""
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import pytest
 import torch
 
@@ -32,6 +36,10 @@ class DataDependent(Mlp):
         return super().forward(x[: int(x[0, 0].item() > 0) + 1])
 
 
+def _here(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
 def _compiled(model: torch.nn.Module) -> torch.nn.Module:
     model.compile(fullgraph=True, dynamic=False, backend="eager")
     return model
@@ -40,7 +48,7 @@ def _compiled(model: torch.nn.Module) -> torch.nn.Module:
 def test_one_graph_per_declared_shape_then_no_other() -> None:
     model = _compiled(Mlp())
     before = num_graphs()
-    warm_up([model], (2, 4), lambda n: model(torch.randn(n, 8)), "mlp")
+    warm_up([model], (2, 4), lambda n: model(torch.randn(n, 8)), _here, "mlp")
     assert num_graphs() - before == 2
     x = torch.randn(4, 8)
     with declared_shape(model, 4):
@@ -58,19 +66,32 @@ def test_one_graph_per_declared_shape_then_no_other() -> None:
 
 def test_more_shapes_than_dynamos_default_limit() -> None:
     """vLLM's declared grids run to a dozen shapes and more; dynamo keeps 8
-    graphs per function unless told otherwise."""
+    graphs per function unless told otherwise, in a config it keeps per
+    thread: the device's thread here, as in the runner."""
     model = _compiled(Mlp())
     sizes = tuple(range(1, 21))
-    warm_up([model], sizes, lambda n: model(torch.randn(n, 8)), "mlp")
-    for size in sizes:
+    device = ThreadPoolExecutor(1)
+
+    def on_device(fn: Callable[..., Any], *args: Any) -> Any:
+        return device.submit(fn, *args).result()
+
+    warm_up([model], sizes, lambda n: model(torch.randn(n, 8)), on_device, "mlp")
+
+    def serve(size: int) -> None:
         with declared_shape(model, size):
             model(torch.randn(size, 8))
+
+    for size in sizes:
+        on_device(serve, size)
+    device.shutdown()
 
 
 def test_a_graph_break_fails_the_warm_up() -> None:
     model = _compiled(DataDependent())
     with pytest.raises(Exception, match="(?i)graph break|item|data-dependent"):
-        warm_up([model], (2,), lambda n: model(torch.ones(n, 8)), "data-dependent")
+        warm_up(
+            [model], (2,), lambda n: model(torch.ones(n, 8)), _here, "data-dependent"
+        )
 
 
 def test_forward_sizes_cover_every_step_kind() -> None:
