@@ -95,7 +95,7 @@ def test_thread_backend_names_its_thread_after_the_label(new_device):
 
 
 def test_unknown_kind_lists_valid_kinds():
-    with pytest.raises(ValueError, match="auto, thread, inline$"):
+    with pytest.raises(ValueError, match="auto, thread, inline, compiled$"):
         make_device("cuda")
 
 
