@@ -45,6 +45,7 @@ ENGINE = {
 }
 STOCK = {"VLLM_NEURON_SCHED_DISABLE": "1"}
 COMPILED = {"VLLM_NEURON_SCHED_DEVICE": "compiled"}
+COMPILE = {"enforce_eager": False}  # over ENGINE's eager
 # name -> (engine keywords, environment, speculative config's method or None)
 MODES: dict[str, tuple[dict[str, Any], dict[str, str], str | None]] = {
     "stock_sync": ({"async_scheduling": False}, STOCK, None),
@@ -57,32 +58,19 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, str], str | None]] = {
     "ours_sync_draft": ({"async_scheduling": False}, {}, "draft_model"),
     # Compiled forwards: stock's default (one graph, dynamic token count) and
     # our compiled device (one graph per declared shape, at start-up).
-    "stock_sync_compiled": (
-        {"async_scheduling": False, "enforce_eager": False},
-        STOCK,
-        None,
-    ),
+    "stock_sync_compiled": ({"async_scheduling": False, **COMPILE}, STOCK, None),
     "stock_sync_ngram_compiled": (
-        {"async_scheduling": False, "enforce_eager": False},
+        {"async_scheduling": False, **COMPILE},
         STOCK,
         "ngram",
     ),
-    "ours_sync_compiled": (
-        {"async_scheduling": False, "enforce_eager": False},
-        COMPILED,
-        None,
-    ),
-    "ours_async_compiled": (
-        {"async_scheduling": True, "enforce_eager": False},
-        COMPILED,
-        None,
-    ),
+    "ours_sync_compiled": ({"async_scheduling": False, **COMPILE}, COMPILED, None),
+    "ours_async_compiled": ({"async_scheduling": True, **COMPILE}, COMPILED, None),
     "ours_async_ngram_compiled": (
-        {"async_scheduling": True, "enforce_eager": False},
+        {"async_scheduling": True, **COMPILE},
         COMPILED,
         "ngram_gpu",
     ),
-    "ours_async_draft": ({"async_scheduling": True}, {}, "draft_model"),
 }
 BASELINE = "stock_sync_ngram"  # what the ratios are taken against
 

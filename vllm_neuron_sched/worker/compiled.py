@@ -35,10 +35,16 @@ class ShapeNotCompiledError(RuntimeError):
 
 def compile_per_shape(model: torch.nn.Module, vllm_config: "VllmConfig") -> None:
     """Wraps ``model`` (in place) so that each input shape is a graph of its
-    own, traced whole; vLLM's configured backend (inductor by default) makes
-    the graphs."""
-    backend = vllm_config.compilation_config.init_backend(vllm_config)
-    model.compile(fullgraph=True, dynamic=False, backend=backend)
+    own, traced whole; vLLM's configured backend (inductor by default, with
+    the options stock's compile gets) makes the graphs."""
+    from vllm.env_override import _apply_constrain_to_fx_strides_patch
+
+    _apply_constrain_to_fx_strides_patch()  # as vLLM does before compiling
+    compilation = vllm_config.compilation_config
+    backend = compilation.init_backend(vllm_config)
+    # Inductor gets the options vLLM's CPU platform tunes for stock's graph.
+    options = compilation.inductor_compile_config if backend == "inductor" else None
+    model.compile(fullgraph=True, dynamic=False, backend=backend, options=options)
 
 
 def forward_sizes(buckets: "Buckets", verify_width: int) -> tuple[int, ...]:
