@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.exc import RecompileError
-from torch._dynamo.utils import counters
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -59,11 +58,6 @@ def forward_sizes(buckets: "Buckets", verify_width: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def num_graphs() -> int:
-    """Graphs torch has compiled in this process (its own counter)."""
-    return counters["stats"]["unique_graphs"]
-
-
 def forward_graphs(models: Iterable[torch.nn.Module]) -> int:
     """The graphs dynamo holds for these models' forwards (its cache entries
     per code object): one per declared shape after the warm-up, and no more
@@ -87,17 +81,16 @@ def warm_up(
     # A graph per size for each model (a draft of the target's class shares
     # its code, and dynamo's limit counts graphs per code object).
     on_device(_allow_graphs, len(sizes) * len(models))
-    graphs_before, start = num_graphs(), time.perf_counter()
+    graphs_before, start = forward_graphs(models), time.perf_counter()
     for size in sizes:
         on_device(forward_at, size)
-    compiled = num_graphs() - graphs_before
+    compiled = forward_graphs(models) - graphs_before
     for size in sizes:
         on_device(forward_at, size)
-    if num_graphs() != graphs_before + compiled:
+    if more := forward_graphs(models) - graphs_before - compiled:
         raise RuntimeError(
-            f"{what}: a second pass over the declared shapes compiled "
-            f"{num_graphs() - graphs_before - compiled} more graph(s): a guard "
-            "depends on something other than the shape"
+            f"{what}: a second pass over the declared shapes compiled {more} "
+            "more graph(s): a guard depends on something other than the shape"
         )
     for model in models:
         model.declared_shapes = sizes
@@ -129,8 +122,7 @@ def declared_shape(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             yield
-    except (RecompileError, RuntimeError) as error:
-        # torch 2.13 raises a RuntimeError naming the stance.
+    except RuntimeError as error:  # torch 2.13's names the stance
         if not isinstance(error, RecompileError) and "fail_on_recompile" not in str(
             error
         ):

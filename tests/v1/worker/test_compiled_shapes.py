@@ -14,8 +14,8 @@ from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.compiled import (
     ShapeNotCompiledError,
     declared_shape,
+    forward_graphs,
     forward_sizes,
-    num_graphs,
     warm_up,
 )
 
@@ -47,13 +47,13 @@ def _compiled(model: torch.nn.Module) -> torch.nn.Module:
 
 def test_one_graph_per_declared_shape_then_no_other() -> None:
     model = _compiled(Mlp())
-    before = num_graphs()
+    before = forward_graphs([model])
     warm_up([model], (2, 4), lambda n: model(torch.randn(n, 8)), _here, "mlp")
-    assert num_graphs() - before == 2
+    assert forward_graphs([model]) - before == 2
     x = torch.randn(4, 8)
     with declared_shape(model, 4):
         assert torch.allclose(model(x), Mlp.forward(model, x))
-    assert num_graphs() - before == 2  # served from its graph
+    assert forward_graphs([model]) - before == 2  # served from its graph
     with (
         pytest.raises(ShapeNotCompiledError, match=r"Mlp ran at 3 tokens.*\[2, 4\]"),
         declared_shape(model, 3),
@@ -61,7 +61,7 @@ def test_one_graph_per_declared_shape_then_no_other() -> None:
         model(torch.randn(3, 8))
     # Outside a declared forward, torch compiles as it always does.
     model(torch.randn(3, 8))
-    assert num_graphs() - before == 3
+    assert forward_graphs([model]) - before == 3
 
 
 def test_more_shapes_than_dynamos_default_limit() -> None:
