@@ -1,12 +1,19 @@
 """Rejection sampling of a verify step's drafts (greedy and random, vLLM's
-rule) and the logprobs of the tokens it accepts."""
+rule) and the logprobs of the tokens it accepts.
+
+Rejection sampling is a device program of fixed signature (``accept_drafts``):
+tensors of the step's declared shape in, ``[rows, width]`` tokens out, no
+host read, no shape that depends on the drafts found. What is per request
+Python (a seeded request's generator) runs before it, in ``draw_randomness``,
+and enters as tensors of a fixed shape."""
 
 from typing import TYPE_CHECKING
 
+from dataclasses import dataclass
+
 import torch
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-from vllm.v1.sample.rejection_sampler import generate_uniform_probs
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -42,8 +49,13 @@ def verify_logprobs(
     processed = mode.startswith("processed")
     scores = (constrained_logits if processed else raw_logits).float()
     if processed and not metadata.all_greedy:
-        row_of = torch.arange(rows).repeat_interleave(width)
-        scores = sampling_scaled(scores, metadata, row_of)
+        assert metadata.temperature is not None
+        scores = sampling_scaled(
+            scores,
+            metadata.temperature.repeat_interleave(width),
+            _per_query(metadata.top_k, width),
+            _per_query(metadata.top_p, width),
+        )
     if mode.endswith("logprobs"):
         scores = sampler.compute_logprobs(scores)
     ids = tokens.flatten().clamp(min=0).long()
@@ -60,19 +72,57 @@ def verify_logprobs(
 
 
 def sampling_scaled(
-    logits: torch.Tensor, metadata: "SamplingMetadata", row_of: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
 ) -> torch.Tensor:
     """``logits`` (a new tensor) divided by their rows' temperatures (1 for
     greedy rows) and masked to their top-k and top-p: the distribution a
-    random row samples from, and vLLM's processed logits. ``row_of``: the
-    batch row of each of ``logits``' rows."""
-    assert metadata.temperature is not None
-    temperature = metadata.temperature[row_of]
+    random row samples from, and vLLM's processed logits. The arguments hold
+    one entry per row of ``logits``. vLLM's sort-based masks, which keep the
+    shape static (its top-k-only path reads the largest k back to the host)."""
     temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
-    return apply_top_k_top_p(
-        logits / temperature[:, None].float(),
-        None if metadata.top_k is None else metadata.top_k[row_of],
-        None if metadata.top_p is None else metadata.top_p[row_of],
+    return apply_top_k_top_p_pytorch(
+        logits / temperature[:, None].float(), top_k, top_p, allow_cpu_sync=False
+    )
+
+
+def _per_query(values: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    return None if values is None else values.repeat_interleave(width)
+
+
+@dataclass(frozen=True)
+class Randomness:
+    """What a verify step's random rows draw, ``K`` (the configured number of
+    drafts) uniforms and one exponential per vocabulary entry a row, however
+    many drafts the row or the step has: so a seeded request's generator moves
+    the same whatever batch it is in, and the program's shapes are fixed."""
+
+    temperature: torch.Tensor  # [rows] float32
+    top_k: torch.Tensor | None  # [rows]
+    top_p: torch.Tensor | None  # [rows]
+    uniforms: torch.Tensor  # [rows, K]
+    noise: torch.Tensor  # [rows, vocab]
+
+
+def draw_randomness(
+    metadata: "SamplingMetadata", num_drafts: int, vocab: int, noise_dtype: torch.dtype
+) -> Randomness | None:
+    """The per-request step before ``accept_drafts``: each seeded row draws
+    from its own generator (after the bonus token's draw), the others from
+    torch's. None when every row is greedy."""
+    if metadata.all_greedy:
+        return None
+    assert metadata.temperature is not None
+    rows = metadata.temperature.shape[0]
+    uniforms = torch.rand(rows, num_drafts)
+    noise = torch.empty((rows, vocab), dtype=noise_dtype).exponential_()
+    for row, generator in metadata.generators.items():
+        uniforms[row] = torch.rand(num_drafts, generator=generator)
+        noise[row].exponential_(generator=generator)
+    return Randomness(
+        metadata.temperature, metadata.top_k, metadata.top_p, uniforms, noise
     )
 
 
@@ -86,98 +136,88 @@ def rejection_sample(
 ) -> torch.Tensor:
     """Speculative rejection sampling for drafts without probabilities
     (n-gram: the draft distribution is one-hot). ``logits``: [rows * width,
-    vocab], row r's queries at ``r * width``. Returns [rows, width] tokens:
-    each row's accepted drafts, then one token (the first rejection's
-    replacement, or the bonus), then ``REJECTED``.
+    vocab], row r's queries at ``r * width``; ``drafts``: [rows, K]. Returns
+    [rows, width] tokens: each row's accepted drafts, then one token (the
+    first rejection's replacement, or the bonus), then ``REJECTED``.
+
+    The bonus token is vLLM's sampler's; the rest is ``accept_drafts``. vLLM's
+    rejection sampler computes the same, but its CPU kernels corrupt random
+    sampling in vLLM 0.32 (its ``expand`` replacement copies 8 bytes per
+    element; the random kernel returns an accepted draft with no token after
+    it), so this is plain torch.
+    """
+    rows = num_drafts.shape[0]
+    queries = logits.reshape(rows, width, -1)
+    bonus = sampler(
+        logits=queries[torch.arange(rows), num_drafts], sampling_metadata=metadata
+    ).sampled_token_ids[:, 0]
+    noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
+    random = draw_randomness(metadata, drafts.shape[1], logits.shape[1], noise_dtype)
+    return accept_drafts(queries, drafts, num_drafts, bonus, random)
+
+
+def accept_drafts(
+    queries: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    bonus: torch.Tensor,
+    random: Randomness | None,
+) -> torch.Tensor:
+    """The device program: ``queries`` [rows, width, vocab] float32 (the
+    constrained logits), ``drafts`` [rows, K], ``num_drafts`` [rows] (how
+    many of them the row verifies), ``bonus`` [rows] -> [rows, width] int32.
 
     A greedy row accepts a draft while it is the target's argmax and then
     takes the argmax (vLLM's greedy rule, so tokens equal stock vLLM's). A
     random row accepts draft d with probability p(d) under the target's
-    temperature, top-k and top-p, and on rejection samples from p with d
-    removed, which leaves the output distributed as p. Seeded rows draw from
-    their own generators. vLLM's rejection sampler computes the same, but its
-    CPU kernels corrupt random sampling in vLLM 0.32 (its ``expand``
-    replacement copies 8 bytes per element; the random kernel returns an
-    accepted draft with no token after it), so this is plain torch.
-    """
-    rows = num_drafts.shape[0]
-    row_starts = torch.arange(rows) * width
-    bonus = sampler(
-        logits=logits[row_starts + num_drafts], sampling_metadata=metadata
-    ).sampled_token_ids[:, 0]
-    out = torch.full((rows, width), REJECTED, dtype=torch.int32)
-    counts = num_drafts.tolist()
+    temperature, top-k and top-p, and on rejection takes a token drawn from
+    p with d removed, which leaves the output distributed as p. Every query
+    is judged and the rows' counts select the answer (masks, no gathers of a
+    data-dependent size)."""
+    rows, width, _ = queries.shape
     k = width - 1
-    if not k or not any(counts):
+    out = torch.full((rows, width), REJECTED, dtype=torch.int32)
+    if not k:
         out[:, 0] = bonus
         return out
-    offsets = torch.arange(k)
-    is_draft = offsets[None, :] < num_drafts[:, None]  # [rows, k]
-    target = logits[(row_starts[:, None] + offsets)[is_draft]].float()  # [T, V]
-    draft_ids = drafts[:, :k][is_draft].long()
-    recovered = target.argmax(dim=-1)
+    target = queries[:, :k]
+    draft_ids = drafts[:, :k].long()
+    recovered = target.argmax(dim=-1)  # [rows, k]
     accept = recovered == draft_ids
-    if not metadata.all_greedy:
-        row_of = torch.arange(rows).repeat_interleave(num_drafts)
-        is_greedy = (metadata.temperature < GREEDY_TEMPERATURE)[row_of]
-        random_accept, random_recovered = _random_rule(
-            sampler, target, draft_ids, row_of, counts, metadata
-        )
+    if random is not None:
+        random_accept, random_recovered = _random_rule(target, draft_ids, random)
+        is_greedy = (random.temperature < GREEDY_TEMPERATURE)[:, None]
         accept = torch.where(is_greedy, accept, random_accept)
         recovered = torch.where(is_greedy, recovered, random_recovered)
-    _fill_rows(out, drafts, num_drafts, is_draft, accept, recovered, bonus)
-    return out
-
-
-def _fill_rows(
-    out: torch.Tensor,
-    drafts: torch.Tensor,
-    num_drafts: torch.Tensor,
-    is_draft: torch.Tensor,
-    accept: torch.Tensor,
-    recovered: torch.Tensor,
-    bonus: torch.Tensor,
-) -> None:
-    """Each row of ``out``: its leading run of accepted drafts, then the
-    first rejected draft's replacement, or the bonus token when all were
-    accepted. ``accept`` and ``recovered``: per draft (``is_draft``)."""
-    rows, k = is_draft.shape
-    accepted = torch.zeros((rows, k), dtype=torch.int64)
-    accepted[is_draft] = accept.long()
-    replacement = torch.zeros((rows, k), dtype=torch.int64)
-    replacement[is_draft] = recovered
-    num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # the leading run
+    offsets = torch.arange(k)
+    is_draft = offsets[None, :] < num_drafts[:, None]
+    num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)
     out[:, :k] = torch.where(
-        torch.arange(k)[None, :] < num_accepted[:, None], drafts[:, :k], REJECTED
+        offsets[None, :] < num_accepted[:, None], draft_ids.int(), REJECTED
     )
     last = torch.where(
         num_accepted < num_drafts,
-        replacement.gather(1, num_accepted.clamp(max=k - 1)[:, None])[:, 0],
+        recovered.gather(1, num_accepted.clamp(max=k - 1)[:, None])[:, 0],
         bonus.long(),
     )
     out.scatter_(1, num_accepted[:, None], last[:, None].to(torch.int32))
+    return out
 
 
 def _random_rule(
-    sampler: "Sampler",
-    target: torch.Tensor,
-    draft_ids: torch.Tensor,
-    row_of: torch.Tensor,
-    counts: list[int],
-    metadata: "SamplingMetadata",
+    target: torch.Tensor, draft_ids: torch.Tensor, random: Randomness
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each draft [T]: accepted with probability p(draft), and the token
-    drawn from p without the draft (the replacement if it is rejected)."""
-    probs = sampling_scaled(target, metadata, row_of).softmax(dim=-1)
-    uniform = generate_uniform_probs(
-        draft_ids.shape[0], counts, metadata.generators, probs.device
-    )
-    accept = uniform < probs.gather(1, draft_ids[:, None])[:, 0]
-    residual = probs.scatter(1, draft_ids[:, None], 0.0)
-    noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
-    rows = len(counts)
-    noise = torch.empty((rows, probs.shape[1]), dtype=noise_dtype).exponential_()
-    for row, generator in metadata.generators.items():
-        if counts[row]:
-            noise[row].exponential_(generator=generator)
-    return accept, (residual / noise[row_of]).argmax(dim=-1)
+    """For each query [rows, k]: its draft accepted with probability p(draft),
+    and the token drawn from p without the draft (the replacement if it is
+    rejected), with the row's exponentials (the Gumbel-max trick)."""
+    rows, k, vocab = target.shape
+    probs = sampling_scaled(
+        target.reshape(rows * k, vocab),
+        random.temperature.repeat_interleave(k),
+        _per_query(random.top_k, k),
+        _per_query(random.top_p, k),
+    ).softmax(dim=-1)
+    probs = probs.view(rows, k, vocab)
+    accept = random.uniforms[:, :k] < probs.gather(2, draft_ids[..., None])[..., 0]
+    residual = probs.scatter(2, draft_ids[..., None], 0.0)
+    return accept, (residual / random.noise[:, None, :]).argmax(dim=-1)

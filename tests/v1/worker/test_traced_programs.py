@@ -1,0 +1,113 @@
+"""The device programs around the forward trace into one graph per declared
+shape (``torch.compile(fullgraph=True, dynamic=False)``: a host read or a
+data-dependent shape inside fails the trace), and the graph answers what the
+eager program does. Dynamo's eager backend: the trace is what is checked."""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
+from vllm_neuron_sched.worker.spec.rejection import (
+    REJECTED,
+    Randomness,
+    accept_drafts,
+)
+
+K = 4  # drafts per row
+VOCAB = 64
+DECODE_BUCKETS = (1, 2, 4, 8)
+WIDTHS = (1, 1 + K)  # a verify step without drafts, and with
+HISTORY_LEN = 48
+
+
+def _graphs_per_shape(
+    program: Callable[..., Any], shapes: list[tuple[int, ...]], make: Callable
+) -> None:
+    """Traces ``program`` at each shape (fullgraph), checks every answer
+    against eager, and that each shape compiled once: a second call at every
+    shape adds no graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(program, fullgraph=True, dynamic=False, backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for _ in range(2):
+            for shape in shapes:
+                args = make(*shape)
+                torch.testing.assert_close(compiled(*args), program(*args))
+    assert counters["stats"]["unique_graphs"] == len(shapes)
+
+
+def _accept_inputs(
+    rows: int, width: int, random: bool, top_k: bool = False
+) -> tuple[Any, ...]:
+    generator = torch.Generator().manual_seed(rows * 10 + width)
+    queries = torch.randn(rows, width, VOCAB, generator=generator)
+    argmax = queries.argmax(dim=-1)
+    drafts = torch.randint(0, VOCAB, (rows, K), generator=generator, dtype=torch.int32)
+    # Half the drafts the target's argmax, so runs of accepted drafts occur.
+    agree = torch.rand(rows, K, generator=generator) < 0.5
+    drafts[:, : width - 1] = torch.where(
+        agree[:, : width - 1], argmax[:, : width - 1].int(), drafts[:, : width - 1]
+    )
+    num_drafts = torch.randint(0, width, (rows,), generator=generator)
+    bonus = torch.randint(0, VOCAB, (rows,), generator=generator)
+    randomness = None
+    if random:
+        temperature = torch.rand(rows, generator=generator) + 0.1
+        temperature[0] = 0.0  # a greedy row among random ones
+        randomness = Randomness(
+            temperature,
+            torch.full((rows,), 5) if top_k else None,
+            torch.full((rows,), 0.9) if top_k else None,
+            torch.rand(rows, K, generator=generator),
+            torch.empty(rows, VOCAB).exponential_(generator=generator),
+        )
+    return queries, drafts, num_drafts, bonus, randomness
+
+
+@pytest.mark.parametrize(
+    ("random", "top_k"), [(False, False), (True, False), (True, True)]
+)
+def test_rejection_sampling_is_one_graph_per_decode_bucket_and_width(
+    random: bool, top_k: bool
+) -> None:
+    shapes = [(rows, width) for rows in DECODE_BUCKETS for width in WIDTHS]
+    _graphs_per_shape(
+        accept_drafts,
+        shapes,
+        lambda rows, width: _accept_inputs(rows, width, random, top_k),
+    )
+
+
+def test_the_traced_program_keeps_the_greedy_rule() -> None:
+    """Fixed shapes, same answer: each greedy row's leading run of drafts
+    that are the argmax, then the argmax (or the bonus after all of them)."""
+    queries, drafts, num_drafts, bonus, _ = _accept_inputs(8, 1 + K, random=False)
+    torch._dynamo.reset()
+    out = torch.compile(accept_drafts, fullgraph=True, dynamic=False, backend="eager")(
+        queries, drafts, num_drafts, bonus, None
+    )
+    argmax = queries.argmax(dim=-1)
+    for row in range(8):
+        n, expected = int(num_drafts[row]), []
+        for j in range(n):
+            expected.append(int(argmax[row, j]))
+            if drafts[row, j] != argmax[row, j]:
+                break
+        else:
+            expected.append(int(bonus[row]))
+        assert out[row].tolist() == expected + [REJECTED] * (1 + K - len(expected))
+
+
+def test_ngram_proposal_is_one_graph_per_decode_bucket() -> None:
+    def make(rows: int) -> tuple[Any, ...]:
+        generator = torch.Generator().manual_seed(rows)
+        tokens = torch.randint(0, 6, (rows, HISTORY_LEN), generator=generator)
+        lengths = torch.randint(1, HISTORY_LEN + 1, (rows,), generator=generator)
+        return tokens.int(), lengths, K, 1, 3, 40
+
+    _graphs_per_shape(propose_ngram_drafts, [(rows,) for rows in DECODE_BUCKETS], make)
