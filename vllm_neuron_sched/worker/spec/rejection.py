@@ -7,9 +7,8 @@ host read, no shape that depends on the drafts found. What is per request
 Python (a seeded request's generator) runs before it, in ``draw_randomness``,
 and enters as tensors of a fixed shape."""
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.outputs import LogprobsTensors
