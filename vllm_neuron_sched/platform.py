@@ -45,6 +45,13 @@ def compile_per_shape_in_runner(vllm_config: "VllmConfig") -> None:
     from vllm.config import CompilationMode
 
     compilation = vllm_config.compilation_config
+    if vllm_config.lora_config is not None:
+        # vLLM's LoRA layers run eager on the CPU (its platform turns
+        # compilation off for them).
+        raise ValueError(
+            "VLLM_NEURON_SCHED_DEVICE=compiled cannot run LoRA adapters "
+            "(--enable-lora): use the thread or inline device with them"
+        )
     if compilation.mode == CompilationMode.NONE:
         raise ValueError(
             "VLLM_NEURON_SCHED_DEVICE=compiled compiles the forward once per "
@@ -290,6 +297,10 @@ class NeuronSchedPlatform(CpuPlatform):
             scheduler_config.scheduler_cls,
             parallel_config.worker_cls,
         )
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        return "vllm_neuron_sched.worker.lora.MaskedPunicaWrapperCPU"
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:

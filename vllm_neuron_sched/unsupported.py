@@ -37,9 +37,18 @@ def _model(check: Callable[[Any], bool]) -> Callable[["VllmConfig"], bool]:
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(
-        "LoRA adapters (--enable-lora)",
-        lambda c: c.lora_config is not None,
-        f"merge the adapter into the model's weights, or use {STOCK}",
+        "LoRA adapters with speculative decoding (--enable-lora with "
+        "--speculative-config)",
+        lambda c: c.lora_config is not None and c.speculative_config is not None,
+        f"leave out one of the two, or use {STOCK}",
+    ),
+    Unsupported(
+        "LoRA adapters with pipeline parallel (--enable-lora with "
+        "--pipeline-parallel-size > 1)",
+        lambda c: (
+            c.lora_config is not None and c.parallel_config.pipeline_parallel_size > 1
+        ),
+        "serve adapters with --tensor-parallel-size",
     ),
     Unsupported(
         "multimodal inputs (a vision/audio model)",

@@ -280,11 +280,29 @@ class ChunkedPrefillMixin(ErrorFinishMixin):
                 break
             if not self._handle_blocked_waiting_request(request):
                 continue
+            if not self.adapter_fits(request, joining):
+                continue  # passed over, as vLLM's scheduler does
             if not self.can_admit(request, joining):
                 break
             joining.append(request)
             candidates.append(request)
         return candidates
+
+    def adapter_fits(self, candidate: "Request", joining: list["Request"]) -> bool:
+        """With LoRA, a request may start only if the adapters of every
+        running request (whether this step holds them or not: they decode in
+        one step later), those joining and its own fit ``max_loras`` slots.
+        vLLM's check sees only the requests a step holds."""
+        lora_config = self.lora_config
+        adapter = candidate.lora_request
+        if lora_config is None or adapter is None or adapter.lora_int_id <= 0:
+            return True
+        in_use = {
+            r.lora_request.lora_int_id
+            for r in itertools.chain(self.running, joining)
+            if r.lora_request is not None and r.lora_request.lora_int_id > 0
+        }
+        return adapter.lora_int_id in in_use or len(in_use) < lora_config.max_loras
 
     def can_admit(self, candidate: "Request", joining: list["Request"]) -> bool:
         """Whether ``candidate`` may start along with ``joining`` (waiting

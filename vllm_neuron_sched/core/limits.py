@@ -64,6 +64,9 @@ class RequestLimits:
     # before, whose rejections the scheduler has not heard of yet, and a draft
     # model's KV past the verify step (vLLM's ``num_lookahead_tokens``).
     spec_lookahead: int = 0
+    # LoRA adapters are on (--enable-lora): the LM head's LoRA layer takes one
+    # logits row per request, so prompt logprobs are refused.
+    lora: bool = False
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -91,6 +94,7 @@ class RequestLimits:
             speculates=vllm_config.speculative_config is not None,
             spec_lookahead=depth * vllm_config.num_speculative_tokens
             + vllm_config.num_lookahead_tokens,
+            lora=vllm_config.lora_config is not None,
         )
 
     def check_sampling(self, params: object) -> str | None:
@@ -103,6 +107,14 @@ class RequestLimits:
         every logprobs mode (``verify_logprobs``). Logit bias and min_p, which
         vLLM itself refuses with speculative decoding, are refused rather than
         run wrong."""
+        if self.lora and getattr(params, "prompt_logprobs", None) is not None:
+            # vLLM 0.32's own CPU runner fails the engine on it.
+            return (
+                "prompt_logprobs cannot be used with LoRA adapters (--enable-lora) "
+                "on vllm_neuron_sched: the LM head's LoRA layer computes one "
+                "logits row per request; leave it out, or serve without "
+                "--enable-lora"
+            )
         if not self.speculates:
             return None
         unsupported = [

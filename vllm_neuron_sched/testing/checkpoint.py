@@ -180,6 +180,75 @@ def ensure_checkpoint(
     return path
 
 
+# The projections a test adapter adapts (vLLM packs q/k/v and gate/up).
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def make_lora_adapter(
+    checkpoint: str | Path, path: str | Path, seed: int, rank: int = 8
+) -> Path:
+    """A random LoRA adapter for ``checkpoint``'s attention and MLP
+    projections, in PEFT's format (``adapter_config.json``,
+    ``adapter_model.safetensors``), large enough to change greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    q = config["num_attention_heads"] * head_dim
+    inter = config["intermediate_size"]
+    shapes = {  # (in, out)
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(layers):
+        for name in LORA_TARGET_MODULES:
+            fan_in, fan_out = shapes[name]
+            block = (
+                "self_attn"
+                if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                else "mlp"
+            )
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            weights[f"{prefix}.lora_A.weight"] = 0.5 * torch.randn(
+                rank, fan_in, generator=generator
+            )
+            weights[f"{prefix}.lora_B.weight"] = 0.5 * torch.randn(
+                fan_out, rank, generator=generator
+            )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, path / "adapter_model.safetensors")
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_TARGET_MODULES),
+        "bias": "none",
+        "base_model_name_or_path": str(checkpoint),
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return path
+
+
 # Trained checkpoints for speculative decoding. The models learn a fixed
 # successor map whose orbits are short cycles over the whole non-special vocab:
 # the next token depends on the last one only, which two tiny models learn

@@ -146,9 +146,15 @@ def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]
     ``StructuredOutputsParams``, and ``logit_bias`` keys as strings (JSON, so
     a child process can take them)."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import StructuredOutputsParams
 
+    def adapter(keywords: dict[str, Any]) -> LoRARequest | None:
+        """``"lora": [name, id, path]`` beside the sampling keywords."""
+        return None if "lora" not in keywords else LoRARequest(*keywords["lora"])
+
     def make(keywords: dict[str, Any]) -> SamplingParams:
+        keywords = {k: v for k, v in keywords.items() if k != "lora"}
         structured = keywords.get("structured_outputs")
         if isinstance(structured, dict):
             structured = StructuredOutputsParams(**structured)
@@ -158,12 +164,14 @@ def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]
         return SamplingParams(**keywords)
 
     if isinstance(sampling, list):
-        params = [make(s) for s in sampling]
+        params: Any = [make(s) for s in sampling]
+        adapters: Any = [adapter(s) for s in sampling]
     else:
-        params = make(sampling)
+        params, adapters = make(sampling), adapter(sampling)
     if prompts and isinstance(prompts[0], list):
         prompts = [{"prompt_token_ids": p} for p in prompts]
-    return [as_record(out) for out in llm.generate(prompts, params, use_tqdm=False)]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+    return [as_record(out) for out in outputs]
 
 
 def as_record(out: Any) -> dict[str, Any]:

@@ -74,6 +74,7 @@ from vllm_neuron_sched.worker.host_state import (
     StepUpdate,
 )
 from vllm_neuron_sched.worker.kv_cache import KVCache
+from vllm_neuron_sched.worker.lora import Adapters
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.pipeline import (
     PipelineStage,
@@ -102,11 +103,7 @@ logger = init_logger(__name__)
 
 # A device that has not drained by then is hung; the process exits regardless.
 _SHUTDOWN_TIMEOUT_S = 30.0
-_NO_LORA = (
-    "LoRA is not enabled: vllm_neuron_sched does not run LoRA adapters "
-    "(--enable-lora is refused at start-up); merge the adapter into the model's "
-    "weights, or use stock vLLM CPU (VLLM_NEURON_SCHED_DISABLE=1)"
-)
+_NO_LORA = "LoRA is not enabled. Use --enable-lora to enable LoRA."  # vLLM's
 
 
 def _stop_rank_if_failed(result: "DeviceFuture[Any]") -> None:
@@ -283,6 +280,10 @@ class NeuronSchedModelRunner:
         if load_dummy_weights:
             raise ValueError("vllm_neuron_sched cannot load dummy weights")
         self.model = get_model(vllm_config=self.vllm_config)
+        if self.vllm_config.lora_config is not None:
+            self.model, self.ctx.lora = Adapters.wrap(
+                self.model, self.vllm_config, self.device
+            )
         if self.draft is not None:
             self.draft.load()
         if self.device.compiles_per_shape:
@@ -412,22 +413,33 @@ class NeuronSchedModelRunner:
     def get_encoder_timing_stats(self) -> dict[str, dict[str, float | int]]:
         return {}  # text models only: no encoder
 
-    # LoRA is refused at start-up (unsupported.py): as vLLM's runner without
-    # --enable-lora.
+    # The adapter manager's calls, each an execution in step order
+    # (``worker/lora.py``); without --enable-lora, vLLM's error.
     def add_lora(self, lora_request: Any) -> bool:
-        raise RuntimeError(_NO_LORA)
+        lora = self._adapters()
+        return lora.run(lora.manager.add_adapter, lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        raise RuntimeError(_NO_LORA)
+        lora = self._adapters()
+        return lora.run(lora.manager.remove_adapter, lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        raise RuntimeError(_NO_LORA)
+        lora = self._adapters()
+        return lora.run(lora.manager.pin_adapter, lora_id)
 
     def list_loras(self) -> set[int]:
-        raise RuntimeError(_NO_LORA)
+        lora = self._adapters()
+        return lora.run(lora.manager.list_adapters)
 
     def reset_lora_state(self) -> None:
-        pass
+        """After the base weights are replaced (vLLM's)."""
+        if self.ctx.lora is not None:
+            self.ctx.lora.run(self.ctx.lora.reset, self.model)
+
+    def _adapters(self) -> Adapters:
+        if self.ctx.lora is None:
+            raise RuntimeError(_NO_LORA)
+        return self.ctx.lora
 
     def reset_mm_cache(self) -> None:
         pass

@@ -24,6 +24,7 @@ from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.inputs import StepInputs, token_inputs
+from vllm_neuron_sched.worker.lora import StepAdapters, step_adapters
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
     StepMasks,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
         StepUpdate,
     )
     from vllm_neuron_sched.worker.kv_cache import KVCache
+    from vllm_neuron_sched.worker.lora import Adapters
     from vllm_neuron_sched.worker.pipeline import PipelineStage
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.spec.config import Speculation
@@ -132,6 +134,8 @@ class StepContext:
     proposer: "Proposer | None" = None
     # Pipeline parallel: this rank's stage (None: one stage).
     stage: "PipelineStage | None" = None
+    # LoRA (--enable-lora): the adapter manager, on the device side.
+    lora: "Adapters | None" = None
     model: Any = None
 
     @property
@@ -227,8 +231,14 @@ class TokensStep:
     shape: ClassVar[BatchShape]
     drafts: ClassVar[bool] = False
 
-    def __init__(self, inputs: StepInputs, num_new_tokens: np.ndarray) -> None:
+    def __init__(
+        self,
+        inputs: StepInputs,
+        num_new_tokens: np.ndarray,
+        adapters: "StepAdapters | None" = None,
+    ) -> None:
         self.inputs = inputs
+        self.adapters = adapters
         self.req_ids = inputs.req_ids
         self.num_new_tokens = num_new_tokens
         self.needs_host_tokens = inputs.needs_host_tokens
@@ -262,7 +272,13 @@ class TokensStep:
         update: "StepUpdate",
     ) -> "TokensStep":
         inputs = cls.inputs_of(ctx, rows, update)
-        return cls(inputs, inputs.is_sampled.astype(np.int64))
+        adapters = None
+        if ctx.lora is not None:
+            layout = inputs.layout
+            adapters = step_adapters(
+                update.batch, layout.tokens, layout.num_tokens_padded
+            )
+        return cls(inputs, inputs.is_sampled.astype(np.int64), adapters)
 
     def enqueue_forward(
         self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"
@@ -308,6 +324,9 @@ class TokensStep:
         inputs = self.inputs
         with torch.inference_mode():
             ctx.token_table.gather(inputs.input_ids, inputs.gather)
+            if self.adapters is not None:
+                assert ctx.lora is not None
+                ctx.lora.activate(self.adapters)
             hidden_states = self.run_model_on_device(ctx)
             logprobs_mode = ctx.vllm_config.model_config.logprobs_mode
             for row, *job in prompt_logprobs_jobs:
