@@ -119,7 +119,7 @@ def _config(checkpoint_dir: str, **model: object) -> object:
     )
 
 
-def test_the_compiled_device_compiles_in_the_runner_and_refuses_eager(
+def test_the_compiled_device_compiles_in_the_runner_and_refuses_eager_and_lora(
     checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Our runner compiles per shape (stock's compile mode, which vLLM's CPU
@@ -132,3 +132,11 @@ def test_the_compiled_device_compiles_in_the_runner_and_refuses_eager(
     assert config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE
     with pytest.raises(ValueError, match="cannot run with --enforce-eager"):
         _config(checkpoint_dir, enforce_eager=True)
+    # vLLM's LoRA layers run eager on the CPU.
+    from vllm.engine.arg_utils import EngineArgs
+
+    lora = EngineArgs(
+        model=checkpoint_dir, max_model_len=256, enable_lora=True, max_lora_rank=8
+    )
+    with pytest.raises(ValueError, match="cannot run LoRA adapters"):
+        lora.create_engine_config()

@@ -1,0 +1,139 @@
+"""LoRA adapters (``--enable-lora``) against stock vLLM CPU: two adapters and
+the base model in one batch, sync and async, with ``max_loras=1`` (one
+adapter's requests wait while the other's run, each adapter evicted and
+loaded again), a prompt longer than a prefill chunk, a second round from
+prefix-cache hits and logprobs; an adapter loaded and removed
+while the engine serves; prompt logprobs refused per request.
+
+Stock runs with ``max_loras=3``: vLLM 0.32's CPU kernels give a token with no
+adapter the last slot's adapter, so stock's base request is right only while
+its last slot stays empty (docs/design.md section 15)."""
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_neuron_sched.testing.checkpoint import make_lora_adapter
+from vllm_neuron_sched.testing.in_process import in_process_llm
+from vllm_neuron_sched.testing.oracle import (
+    assert_logprobs_close,
+    generate,
+    start_in_subprocess,
+)
+from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV
+
+pytestmark = pytest.mark.slow
+
+ENGINE = {**SMALL_ENGINE, "enable_lora": True, "max_lora_rank": 8}
+ROUNDS = 2  # the second from prefix-cache hits
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: str(make_lora_adapter(checkpoint_dir, root / name, seed=seed))
+        for name, seed in (("a1", 1), ("a2", 2))
+    }
+
+
+def _prompts() -> list[list[int]]:
+    return [
+        [5 + i % 40 for i in range(41)],  # two prefill chunks of 32
+        [11, 12, 13] * 5,
+        [20, 21, 22, 23] * 4,
+        [30, 31] * 7,
+    ]
+
+
+def _sampling(adapters: dict) -> list[dict[str, Any]]:
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    return [
+        {**greedy, "logprobs": 2, "lora": ["a1", 1, adapters["a1"]]},
+        greedy,  # the base model, batched with the adapters
+        {**greedy, "logprobs": 1, "lora": ["a2", 2, adapters["a2"]]},
+        {**greedy, "lora": ["a1", 1, adapters["a1"]]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def stock(checkpoint_dir: str, adapters: dict) -> Any:
+    """Started ahead, in a child, while our engines start."""
+    return start_in_subprocess(
+        checkpoint_dir,
+        _prompts(),
+        _sampling(adapters),
+        {**ENGINE, "max_loras": 3},
+        env={**os.environ, **STOCK_ENV},
+        rounds=ROUNDS,
+    )
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def engine(request, checkpoint_dir: str, stock: Any) -> Iterator[tuple[str, Any]]:
+    with in_process_llm(
+        checkpoint_dir,
+        async_scheduling=request.param == "async",
+        max_loras=1,
+        **ENGINE,
+    ) as llm:
+        yield request.param, llm
+
+
+def test_adapters_and_the_base_model_in_one_batch_give_stocks_tokens(
+    engine: tuple[str, Any], adapters: dict, stock: Any
+) -> None:
+    _, llm = engine
+    expected = stock.result()
+    ours = [
+        record
+        for _ in range(ROUNDS)
+        for record in generate(llm, _prompts(), _sampling(adapters))
+    ]
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in expected]
+    for our, theirs in zip(ours, expected):
+        assert_logprobs_close(our["logprobs"], theirs["logprobs"], TOLERANCE)
+    # The adapters changed the tokens: the same prompt without its adapter.
+    base = generate(llm, _prompts()[:1], {**_sampling(adapters)[1], "logprobs": 2})
+    assert base[0]["token_ids"] != ours[0]["token_ids"]
+
+
+def test_an_adapter_loaded_and_removed_while_serving(
+    engine: tuple[str, Any], adapters: dict, stock: Any
+) -> None:
+    from vllm.lora.request import LoRARequest
+
+    _, llm = engine
+    engine_ = llm.llm_engine
+    assert engine_.add_lora(LoRARequest("a2", 2, adapters["a2"]))
+    assert 2 in engine_.list_loras()
+    sampling = _sampling(adapters)[2]
+    out = generate(llm, _prompts()[2:3], sampling)
+    assert out[0]["token_ids"] == stock.result()[2]["token_ids"]
+    assert engine_.remove_lora(2)
+    assert 2 not in engine_.list_loras()
+    # Loaded again on first use.
+    assert generate(llm, _prompts()[2:3], sampling) == out
+
+
+def test_prompt_logprobs_with_adapters_are_refused_and_the_engine_serves_on(
+    engine: tuple[str, Any], adapters: dict
+) -> None:
+    _, llm = engine
+    sampling = {**_sampling(adapters)[0], "prompt_logprobs": 1}
+    with pytest.raises(ValueError, match="prompt_logprobs cannot be used with LoRA"):
+        generate(llm, _prompts()[:1], sampling)
+    served = generate(llm, _prompts()[:1], _sampling(adapters)[0])
+    assert len(served[0]["token_ids"]) == 12
+
+
+def test_the_adapter_file_is_peft_format(adapters: dict) -> None:
+    for path in adapters.values():
+        assert {p.name for p in Path(path).iterdir()} == {
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        }
