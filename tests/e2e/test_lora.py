@@ -3,7 +3,7 @@ the base model in one batch, sync and async, with ``max_loras=1`` (one
 adapter's requests wait while the other's run, each adapter evicted and
 loaded again), a prompt longer than a prefill chunk, a second round from
 prefix-cache hits and logprobs; an adapter loaded and removed
-while the engine serves; prompt logprobs refused per request.
+while the engine serves; TP=4 async; prompt logprobs refused per request.
 
 Stock runs with ``max_loras=3``: vLLM 0.32's CPU kernels give a token with no
 adapter the last slot's adapter, so stock's base request is right only while
@@ -129,6 +129,23 @@ def test_prompt_logprobs_with_adapters_are_refused_and_the_engine_serves_on(
         generate(llm, _prompts()[:1], sampling)
     served = generate(llm, _prompts()[:1], _sampling(adapters)[0])
     assert len(served[0]["token_ids"]) == 12
+
+
+def test_tensor_parallel_4_async_gives_stocks_tokens(
+    checkpoint_dir: str, adapters: dict, stock: Any
+) -> None:
+    """vLLM's LoRA layers shard with the model; every rank activates the
+    same mapping in the same step order."""
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}
+    ours = start_in_subprocess(
+        checkpoint_dir,
+        _prompts(),
+        _sampling(adapters),
+        {**ENGINE, "max_loras": 1, "tensor_parallel_size": 4, "async_scheduling": True},
+        env=env,
+    ).result()
+    expected = stock.result()[: len(ours)]
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in expected]
 
 
 def test_the_adapter_file_is_peft_format(adapters: dict) -> None:
