@@ -37,12 +37,6 @@ def _model(check: Callable[[Any], bool]) -> Callable[["VllmConfig"], bool]:
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(
-        "LoRA adapters with speculative decoding (--enable-lora with "
-        "--speculative-config)",
-        lambda c: c.lora_config is not None and c.speculative_config is not None,
-        f"leave out one of the two, or use {STOCK}",
-    ),
-    Unsupported(
         "LoRA adapters with pipeline parallel (--enable-lora with "
         "--pipeline-parallel-size > 1)",
         lambda c: (

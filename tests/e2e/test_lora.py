@@ -1,5 +1,6 @@
 """LoRA adapters (``--enable-lora``) against stock vLLM CPU: two adapters and
-the base model in one batch, sync and async, with ``max_loras=1`` (one
+the base model in one batch, sync, async and async with n-gram speculation,
+with ``max_loras=1`` (one
 adapter's requests wait while the other's run, each adapter evicted and
 loaded again), a prompt longer than a prefill chunk, a second round from
 prefix-cache hits and logprobs; an adapter loaded and removed
@@ -16,14 +17,19 @@ from typing import Any
 
 import pytest
 
-from vllm_neuron_sched.testing.checkpoint import make_lora_adapter
+from vllm_neuron_sched.testing.checkpoint import (
+    ensure_trained_checkpoints,
+    make_lora_adapter,
+    repeat_prompt_ids,
+)
 from vllm_neuron_sched.testing.in_process import in_process_llm
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
     generate,
+    spec_decode_counters,
     start_in_subprocess,
 )
-from vllm_neuron_sched.testing.workloads import SMALL_ENGINE, STOCK_ENV
+from vllm_neuron_sched.testing.workloads import MODES, SMALL_ENGINE, STOCK_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +39,29 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def adapters(checkpoint_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def checkpoint() -> str:
+    """The trained checkpoint: its greedy output walks short cycles, which
+    adapters this small bend but do not break, so n-gram drafts are
+    accepted under them."""
+    return str(ensure_trained_checkpoints()[0])
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("adapters")
     return {
-        name: str(make_lora_adapter(checkpoint_dir, root / name, seed=seed))
+        name: str(make_lora_adapter(checkpoint, root / name, seed=seed, scale=0.1))
         for name, seed in (("a1", 1), ("a2", 2))
     }
 
 
-def _prompts() -> list[list[int]]:
+@pytest.fixture(scope="module")
+def prompts(checkpoint: str) -> list[list[int]]:
     return [
-        [5 + i % 40 for i in range(41)],  # two prefill chunks of 32
-        [11, 12, 13] * 5,
-        [20, 21, 22, 23] * 4,
-        [30, 31] * 7,
+        repeat_prompt_ids(checkpoint, 0, length=41),  # two prefill chunks of 32
+        repeat_prompt_ids(checkpoint, 1, length=15),
+        repeat_prompt_ids(checkpoint, 2, length=16),
+        repeat_prompt_ids(checkpoint, 3, length=14),
     ]
 
 
@@ -61,11 +76,11 @@ def _sampling(adapters: dict) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def stock(checkpoint_dir: str, adapters: dict) -> Any:
+def stock(checkpoint: str, adapters: dict, prompts: list[list[int]]) -> Any:
     """Started ahead, in a child, while our engines start."""
     return start_in_subprocess(
-        checkpoint_dir,
-        _prompts(),
+        checkpoint,
+        prompts,
         _sampling(adapters),
         {**ENGINE, "max_loras": 3},
         env={**os.environ, **STOCK_ENV},
@@ -73,37 +88,43 @@ def stock(checkpoint_dir: str, adapters: dict) -> Any:
     )
 
 
-@pytest.fixture(scope="module", params=["sync", "async"])
-def engine(request, checkpoint_dir: str, stock: Any) -> Iterator[tuple[str, Any]]:
+@pytest.fixture(scope="module", params=["sync", "async", "async_ngram"])
+def engine(request, checkpoint: str, stock: Any) -> Iterator[tuple[str, Any]]:
+    """Ours: sync, async, async with n-gram speculation (the verify step's
+    queries take their row's adapter; greedy tokens are stock's without
+    speculation)."""
     with in_process_llm(
-        checkpoint_dir,
-        async_scheduling=request.param == "async",
+        checkpoint,
         max_loras=1,
+        disable_log_stats=False,  # vLLM's speculation counters
+        **MODES[request.param],
         **ENGINE,
     ) as llm:
         yield request.param, llm
 
 
 def test_adapters_and_the_base_model_in_one_batch_give_stocks_tokens(
-    engine: tuple[str, Any], adapters: dict, stock: Any
+    engine: tuple[str, Any], adapters: dict, stock: Any, prompts: list[list[int]]
 ) -> None:
-    _, llm = engine
+    mode, llm = engine
     expected = stock.result()
     ours = [
         record
         for _ in range(ROUNDS)
-        for record in generate(llm, _prompts(), _sampling(adapters))
+        for record in generate(llm, prompts, _sampling(adapters))
     ]
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in expected]
     for our, theirs in zip(ours, expected):
         assert_logprobs_close(our["logprobs"], theirs["logprobs"], TOLERANCE)
     # The adapters changed the tokens: the same prompt without its adapter.
-    base = generate(llm, _prompts()[:1], {**_sampling(adapters)[1], "logprobs": 2})
+    base = generate(llm, prompts[:1], {**_sampling(adapters)[1], "logprobs": 2})
     assert base[0]["token_ids"] != ours[0]["token_ids"]
+    if mode == "async_ngram":  # drafts were verified under the adapters
+        assert spec_decode_counters(llm)["num_accepted_tokens"] > 0
 
 
 def test_an_adapter_loaded_and_removed_while_serving(
-    engine: tuple[str, Any], adapters: dict, stock: Any
+    engine: tuple[str, Any], adapters: dict, stock: Any, prompts: list[list[int]]
 ) -> None:
     from vllm.lora.request import LoRARequest
 
@@ -112,34 +133,34 @@ def test_an_adapter_loaded_and_removed_while_serving(
     assert engine_.add_lora(LoRARequest("a2", 2, adapters["a2"]))
     assert 2 in engine_.list_loras()
     sampling = _sampling(adapters)[2]
-    out = generate(llm, _prompts()[2:3], sampling)
+    out = generate(llm, prompts[2:3], sampling)
     assert out[0]["token_ids"] == stock.result()[2]["token_ids"]
     assert engine_.remove_lora(2)
     assert 2 not in engine_.list_loras()
     # Loaded again on first use.
-    assert generate(llm, _prompts()[2:3], sampling) == out
+    assert generate(llm, prompts[2:3], sampling) == out
 
 
 def test_prompt_logprobs_with_adapters_are_refused_and_the_engine_serves_on(
-    engine: tuple[str, Any], adapters: dict
+    engine: tuple[str, Any], adapters: dict, prompts: list[list[int]]
 ) -> None:
     _, llm = engine
     sampling = {**_sampling(adapters)[0], "prompt_logprobs": 1}
     with pytest.raises(ValueError, match="prompt_logprobs cannot be used with LoRA"):
-        generate(llm, _prompts()[:1], sampling)
-    served = generate(llm, _prompts()[:1], _sampling(adapters)[0])
+        generate(llm, prompts[:1], sampling)
+    served = generate(llm, prompts[:1], _sampling(adapters)[0])
     assert len(served[0]["token_ids"]) == 12
 
 
 def test_tensor_parallel_4_async_gives_stocks_tokens(
-    checkpoint_dir: str, adapters: dict, stock: Any
+    checkpoint: str, adapters: dict, stock: Any, prompts: list[list[int]]
 ) -> None:
     """vLLM's LoRA layers shard with the model; every rank activates the
     same mapping in the same step order."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}
     ours = start_in_subprocess(
-        checkpoint_dir,
-        _prompts(),
+        checkpoint,
+        prompts,
         _sampling(adapters),
         {**ENGINE, "max_loras": 1, "tensor_parallel_size": 4, "async_scheduling": True},
         env=env,

@@ -101,19 +101,6 @@ def _refusal(model: str, **engine: Any) -> str:
     ("engine", "option"),
     [
         (
-            {
-                "enable_lora": True,
-                "max_lora_rank": 8,
-                "speculative_config": {
-                    "method": "ngram",
-                    "num_speculative_tokens": 3,
-                    "prompt_lookup_min": 1,
-                    "prompt_lookup_max": 3,
-                },
-            },
-            "LoRA adapters with speculative decoding",
-        ),
-        (
             {"enable_lora": True, "max_lora_rank": 8, "pipeline_parallel_size": 2},
             "LoRA adapters with pipeline parallel",
         ),

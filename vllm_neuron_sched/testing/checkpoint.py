@@ -193,11 +193,16 @@ LORA_TARGET_MODULES = (
 
 
 def make_lora_adapter(
-    checkpoint: str | Path, path: str | Path, seed: int, rank: int = 8
+    checkpoint: str | Path,
+    path: str | Path,
+    seed: int,
+    rank: int = 8,
+    scale: float = 0.5,
 ) -> Path:
     """A random LoRA adapter for ``checkpoint``'s attention and MLP
     projections, in PEFT's format (``adapter_config.json``,
-    ``adapter_model.safetensors``), large enough to change greedy tokens."""
+    ``adapter_model.safetensors``); ``scale``: its weights' standard
+    deviation (the default changes a random model's greedy tokens)."""
     import torch
     from safetensors.torch import save_file
 
@@ -227,10 +232,10 @@ def make_lora_adapter(
                 else "mlp"
             )
             prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
-            weights[f"{prefix}.lora_A.weight"] = 0.5 * torch.randn(
+            weights[f"{prefix}.lora_A.weight"] = scale * torch.randn(
                 rank, fan_in, generator=generator
             )
-            weights[f"{prefix}.lora_B.weight"] = 0.5 * torch.randn(
+            weights[f"{prefix}.lora_B.weight"] = scale * torch.randn(
                 fan_out, rank, generator=generator
             )
     path = Path(path)

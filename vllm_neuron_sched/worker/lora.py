@@ -41,16 +41,36 @@ def step_adapters(
 ) -> StepAdapters:
     """Each real token takes its row's adapter, padding none; the logits rows
     are the batch's rows (one logits row each)."""
-    per_row = batch.request_lora_mapping[: batch.num_reqs].astype(np.int64)
+    per_row, requests = _row_adapters(batch)
     mapping = np.zeros(num_tokens_padded, dtype=np.int64)
     mapping[tokens.index] = per_row[tokens.row_of_token]
+    return StepAdapters(mapping, per_row, requests)
+
+
+def verify_adapters(
+    batch: "InputBatch", num_rows_padded: int, width: int
+) -> StepAdapters:
+    """A verify step's: each row's ``width`` queries take its adapter, the
+    padded rows none; a logits row per query of the real rows."""
+    per_row, requests = _row_adapters(batch)
+    per_query = np.repeat(per_row, width)
+    mapping = np.zeros(num_rows_padded * width, dtype=np.int64)
+    mapping[: len(per_query)] = per_query
+    return StepAdapters(mapping, per_query, requests)
+
+
+def _row_adapters(
+    batch: "InputBatch",
+) -> "tuple[np.ndarray, tuple[LoRARequest, ...]]":
+    """Each row's adapter id (0: none) and the adapters the rows use."""
+    per_row = batch.request_lora_mapping[: batch.num_reqs].astype(np.int64)
     used = set(per_row[per_row > 0].tolist())
     requests = tuple(
         request
         for lora_id, request in batch.lora_id_to_lora_request.items()
         if lora_id in used
     )
-    return StepAdapters(mapping, per_row, requests)
+    return per_row, requests
 
 
 class Adapters:

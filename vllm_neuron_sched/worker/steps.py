@@ -272,13 +272,21 @@ class TokensStep:
         update: "StepUpdate",
     ) -> "TokensStep":
         inputs = cls.inputs_of(ctx, rows, update)
-        adapters = None
-        if ctx.lora is not None:
-            layout = inputs.layout
-            adapters = step_adapters(
-                update.batch, layout.tokens, layout.num_tokens_padded
-            )
-        return cls(inputs, inputs.is_sampled.astype(np.int64), adapters)
+        return cls(
+            inputs,
+            inputs.is_sampled.astype(np.int64),
+            cls.adapters_of(ctx, update, inputs),
+        )
+
+    @staticmethod
+    def adapters_of(
+        ctx: StepContext, update: "StepUpdate", inputs: StepInputs
+    ) -> "StepAdapters | None":
+        """With LoRA, the step's adapter mapping at its padded shape."""
+        if ctx.lora is None:
+            return None
+        layout = inputs.layout
+        return step_adapters(update.batch, layout.tokens, layout.num_tokens_padded)
 
     def enqueue_forward(
         self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"

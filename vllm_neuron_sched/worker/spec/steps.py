@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from vllm_neuron_sched.worker.host_state import HostRequestState, StepUpdate
     from vllm_neuron_sched.worker.layout import Tokens
+    from vllm_neuron_sched.worker.lora import StepAdapters
     from vllm_neuron_sched.worker.sampling import StepMasks
     from vllm_neuron_sched.worker.steps import StepContext
 
@@ -43,8 +44,9 @@ class ProposingPrefillStep(PrefillStep):
         num_new_tokens: np.ndarray,
         history_writes: HistoryWrites,
         next_positions: torch.Tensor,
+        adapters: "StepAdapters | None" = None,
     ) -> None:
-        super().__init__(inputs, num_new_tokens)
+        super().__init__(inputs, num_new_tokens, adapters)
         self.history_writes = history_writes
         self.next_positions = next_positions
 
@@ -73,6 +75,7 @@ class ProposingPrefillStep(PrefillStep):
                 inputs.layout.tokens,
             ),
             torch.from_numpy(rows.num_computed + rows.num_run),
+            cls.adapters_of(ctx, update, inputs),
         )
 
     def run_model_on_device(self, ctx: "StepContext") -> torch.Tensor:

@@ -18,6 +18,7 @@ from vllm_neuron_sched.worker.layout import (
     block_tables,
     rectangle,
 )
+from vllm_neuron_sched.worker.lora import StepAdapters, verify_adapters
 from vllm_neuron_sched.worker.results import (
     Drafts,
     Verified,
@@ -217,10 +218,15 @@ class VerifyStep:
     needs_host_tokens = False
 
     def __init__(
-        self, req_ids: list[str], plan: VerifyPlan, num_new_tokens: np.ndarray
+        self,
+        req_ids: list[str],
+        plan: VerifyPlan,
+        num_new_tokens: np.ndarray,
+        adapters: StepAdapters | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.plan = plan
+        self.adapters = adapters
         self.num_new_tokens = num_new_tokens
         self.num_table_rows = plan.num_rows
         self._forward: DeviceFuture | None = None
@@ -243,15 +249,20 @@ class VerifyStep:
             ctx.kv_cache.attn_groups,
             _min_tokens_rows(host, rows.req_ids),
         )
+        adapters = None
+        if ctx.lora is not None:
+            adapters = verify_adapters(update.batch, plan.num_rows_padded, plan.width)
         # Every row adds its newest token and its drafts, as the scheduler
         # counts them (placeholders until the step retires).
-        return cls(rows.req_ids, plan, rows.num_scheduled.astype(np.int64))
+        return cls(rows.req_ids, plan, rows.num_scheduled.astype(np.int64), adapters)
 
     def enqueue_forward(
         self, ctx: "StepContext", prompt_logprobs_jobs: "list[PromptLogprobsJob]"
     ) -> None:
         assert not prompt_logprobs_jobs, "a verify step runs no prompt chunk"
-        self._forward = ctx.device.enqueue(_verify_forward_on_device, ctx, self.plan)
+        self._forward = ctx.device.enqueue(
+            _verify_forward_on_device, ctx, self.plan, self.adapters
+        )
 
     def enqueue_sampling(
         self,
@@ -314,12 +325,17 @@ def _min_tokens_rows(
     return rows
 
 
-def _verify_forward_on_device(ctx: "StepContext", plan: VerifyPlan) -> VerifyForward:
-    """Runs on the device: a verify step's inputs from the token slots, then
-    the model at ``[decode bucket, 1 + K]``, logits of every real row's
-    queries."""
+def _verify_forward_on_device(
+    ctx: "StepContext", plan: VerifyPlan, adapters: StepAdapters | None
+) -> VerifyForward:
+    """Runs on the device: a verify step's inputs from the token slots, its
+    adapters, then the model at ``[decode bucket, 1 + K]``, logits of every
+    real row's queries."""
     with torch.inference_mode():
         inputs = complete_on_device(plan, ctx.token_table)
+        if adapters is not None:
+            assert ctx.lora is not None
+            ctx.lora.activate(adapters)
         hidden_states = run_model(
             ctx.model,
             ctx.vllm_config,
