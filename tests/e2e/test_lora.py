@@ -1,5 +1,6 @@
 """LoRA adapters (``--enable-lora``) against stock vLLM CPU: two adapters and
-the base model in one batch, sync, async and async with n-gram speculation,
+the base model in one batch, sync, async and async with n-gram or
+draft-model speculation,
 with ``max_loras=1`` (one
 adapter's requests wait while the other's run, each adapter evicted and
 loaded again), a prompt longer than a prefill chunk, a second round from
@@ -41,9 +42,17 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def checkpoint() -> str:
     """The trained checkpoint: its greedy output walks short cycles, which
-    adapters this small bend but do not break, so n-gram drafts are
-    accepted under them."""
+    adapters this small bend but do not break, so drafts are accepted under
+    them."""
     return str(ensure_trained_checkpoints()[0])
+
+
+def _mode(name: str) -> dict[str, Any]:
+    if name == "async_draft":  # the draft model runs without adapters
+        draft = str(ensure_trained_checkpoints()[1])
+        method = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+        return {"async_scheduling": True, "speculative_config": method}
+    return MODES[name]
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +97,16 @@ def stock(checkpoint: str, adapters: dict, prompts: list[list[int]]) -> Any:
     )
 
 
-@pytest.fixture(scope="module", params=["sync", "async", "async_ngram"])
+@pytest.fixture(scope="module", params=["sync", "async", "async_ngram", "async_draft"])
 def engine(request, checkpoint: str, stock: Any) -> Iterator[tuple[str, Any]]:
-    """Ours: sync, async, async with n-gram speculation (the verify step's
-    queries take their row's adapter; greedy tokens are stock's without
-    speculation)."""
+    """Ours: sync, async, async with n-gram or draft-model speculation (the
+    verify step's queries take their row's adapter; greedy tokens are
+    stock's without speculation)."""
     with in_process_llm(
         checkpoint,
         max_loras=1,
         disable_log_stats=False,  # vLLM's speculation counters
-        **MODES[request.param],
+        **_mode(request.param),
         **ENGINE,
     ) as llm:
         yield request.param, llm
@@ -119,7 +128,7 @@ def test_adapters_and_the_base_model_in_one_batch_give_stocks_tokens(
     # The adapters changed the tokens: the same prompt without its adapter.
     base = generate(llm, prompts[:1], {**_sampling(adapters)[1], "logprobs": 2})
     assert base[0]["token_ids"] != ours[0]["token_ids"]
-    if mode == "async_ngram":  # drafts were verified under the adapters
+    if mode.startswith("async_"):  # drafts were verified under the adapters
         assert spec_decode_counters(llm)["num_accepted_tokens"] > 0
 
 
