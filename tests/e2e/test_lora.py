@@ -4,8 +4,9 @@ draft-model speculation,
 with ``max_loras=1`` (one
 adapter's requests wait while the other's run, each adapter evicted and
 loaded again), a prompt longer than a prefill chunk, a second round from
-prefix-cache hits and logprobs; an adapter loaded and removed
-while the engine serves; TP=4 async; prompt logprobs refused per request.
+prefix-cache hits and logprobs; an adapter loaded and removed while the
+engine serves, and through the server; TP=4 async; prompt logprobs refused
+per request.
 
 Stock runs with ``max_loras=3``: vLLM 0.32's CPU kernels give a token with no
 adapter the last slot's adapter, so stock's base request is right only while
@@ -30,6 +31,7 @@ from vllm_neuron_sched.testing.oracle import (
     spec_decode_counters,
     start_in_subprocess,
 )
+from vllm_neuron_sched.testing.server import SERVED_MODEL, OpenAIServer, engine_args
 from vllm_neuron_sched.testing.workloads import MODES, SMALL_ENGINE, STOCK_ENV
 
 pytestmark = pytest.mark.slow
@@ -176,6 +178,63 @@ def test_tensor_parallel_4_async_gives_stocks_tokens(
     ).result()
     expected = stock.result()[: len(ours)]
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in expected]
+
+
+@pytest.mark.asyncio
+async def test_the_server_serves_lora_modules_and_loads_adapters_at_runtime(
+    checkpoint: str,
+    adapters: dict,
+    prompts: list[list[int]],
+    stock: Any,
+    tmp_path: Path,
+) -> None:
+    """``--lora-modules`` at start, ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` while serving (async), each adapter a model
+    name of the API; stock's tokens."""
+    import httpx
+    import openai
+
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "1",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"a1={adapters['a1']}",
+        "--async-scheduling",
+        *engine_args(SMALL_ENGINE),
+    ]
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    expected = stock.result()
+    log = tmp_path / "server.log"
+    with OpenAIServer.start(checkpoint, args, log, env, timeout_s=300) as server:
+        client = server.client()
+
+        async def tokens(model: str, prompt: list[int]) -> list[int]:
+            out = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0.0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            return list(out.choices[0].token_ids or [])
+
+        assert "a1" in {m.id for m in (await client.models.list()).data}
+        assert await tokens("a1", prompts[0]) == expected[0]["token_ids"]
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            adapter = {"lora_name": "a2", "lora_path": adapters["a2"]}
+            loaded = await http.post("/v1/load_lora_adapter", json=adapter)
+            assert loaded.status_code == 200, loaded.text
+            assert await tokens("a2", prompts[2]) == expected[2]["token_ids"]
+            unloaded = await http.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "a2"}
+            )
+            assert unloaded.status_code == 200, unloaded.text
+        with pytest.raises(openai.NotFoundError):
+            await tokens("a2", prompts[2])
+        assert await tokens(SERVED_MODEL, prompts[1]) == expected[1]["token_ids"]
 
 
 def test_the_adapter_file_is_peft_format(adapters: dict) -> None:
