@@ -173,12 +173,19 @@ def workload(name: str, checkpoint: str, concurrency: int) -> tuple[list, list[i
 
 
 def closed_loop(
-    llm: Any, inputs: list, params: list, concurrency: int, tag: str
+    llm: Any,
+    inputs: list,
+    params: list,
+    concurrency: int,
+    tag: str,
+    adapters: list | None = None,
 ) -> tuple[float, list[list[int]]]:
     """A client that keeps ``concurrency`` requests in flight (a finished one
     is replaced by the next), through the engine's own step loop: the wall
-    time and each request's output tokens."""
+    time and each request's output tokens. ``adapters``: each request's
+    ``LoRARequest`` or None."""
     engine = llm.llm_engine
+    adapters = adapters or [None] * len(inputs)
     pending = list(enumerate(zip(inputs, params)))
     outputs: dict[int, list[int]] = {}
     in_flight = 0
@@ -186,7 +193,9 @@ def closed_loop(
     while pending or engine.has_unfinished_requests():
         while pending and in_flight < concurrency:
             index, (prompt, sampling) = pending.pop(0)
-            engine.add_request(f"{tag}-{index}", prompt, sampling)
+            engine.add_request(
+                f"{tag}-{index}", prompt, sampling, lora_request=adapters[index]
+            )
             in_flight += 1
         for out in engine.step():
             if out.finished:

@@ -133,27 +133,43 @@ class MaskedPunicaWrapperCPU(PunicaWrapperCPU):
     -1, which is the last slot: a base request batched beside an adapter's
     ran that adapter (always, with ``max_loras=1``). Here the LoRA input of
     such a token is zeroed (after the shrink, for the embedding and the
-    logits before the expand), so it adds nothing."""
+    logits before the expand), so it adds nothing. A step in which no token
+    (no logits row) has an adapter skips the LoRA computation, as vLLM's
+    prefill path does: the host knows it from the mapping."""
 
-    def update_metadata(self, *args: Any, **kwargs: Any) -> None:
-        super().update_metadata(*args, **kwargs)
+    def update_metadata(self, mapping: Any, *args: Any, **kwargs: Any) -> None:
+        super().update_metadata(mapping, *args, **kwargs)
         self._no_adapter_token = (self.token_lora_indices == -1)[:, None]
         self._no_adapter_row = (self.sampler_indices == -1)[:, None]
+        self._any_token = any(i > 0 for i in mapping.index_mapping)
+        self._any_row = any(i > 0 for i in mapping.prompt_mapping)
+
+    def add_lora_linear(self, *args: Any, **kwargs: Any) -> None:
+        if self._any_token:
+            super().add_lora_linear(*args, **kwargs)
 
     def add_shrink(self, y: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        super().add_shrink(y, x, *args, **kwargs)
+        if self._any_token:
+            super().add_shrink(y, x, *args, **kwargs)
         for out in y if isinstance(y, tuple) else (y,):
             out.masked_fill_(self._no_adapter_token, 0)
+
+    def add_expand(self, *args: Any, **kwargs: Any) -> None:
+        if self._any_token:
+            super().add_expand(*args, **kwargs)
 
     def add_lora_embedding(
         self, y: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any
     ) -> None:
+        if not self._any_token:
+            return
         x = x.masked_fill(self._no_adapter_token.view(-1, *[1] * (x.dim() - 1)), 0)
         super().add_lora_embedding(y, x, *args, **kwargs)
 
     def add_lora_logits(
         self, y: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any
     ) -> None:
-        super().add_lora_logits(
-            y, x.masked_fill(self._no_adapter_row, 0), *args, **kwargs
-        )
+        if self._any_row:
+            super().add_lora_logits(
+                y, x.masked_fill(self._no_adapter_row, 0), *args, **kwargs
+            )
