@@ -29,6 +29,7 @@ NUM_DECODES = 12
         "benchmarks.pipeline",
         "benchmarks.speculative",
         "benchmarks.host_step",
+        "benchmarks.lora",
     ],
 )
 def test_benchmark_modules_import(module: str) -> None:
