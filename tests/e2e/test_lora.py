@@ -4,7 +4,7 @@ draft-model speculation,
 with ``max_loras=1`` (one
 adapter's requests wait while the other's run, each adapter evicted and
 loaded again), a prompt longer than a prefill chunk, a second round from
-prefix-cache hits and logprobs; an adapter loaded and removed while the
+prefix-cache hits, logprobs and penalties; an adapter loaded and removed while the
 engine serves, and through the server; TP=4 async; prompt logprobs refused
 per request.
 
@@ -38,6 +38,12 @@ pytestmark = pytest.mark.slow
 
 ENGINE = {**SMALL_ENGINE, "enable_lora": True, "max_lora_rank": 8}
 ROUNDS = 2  # the second from prefix-cache hits
+# Penalties read each request's output so far (the device's histories).
+PENALTIES = {
+    "presence_penalty": 0.4,
+    "frequency_penalty": 0.2,
+    "repetition_penalty": 1.3,
+}
 TOLERANCE = 1e-4
 
 
@@ -82,7 +88,7 @@ def _sampling(adapters: dict) -> list[dict[str, Any]]:
         {**greedy, "logprobs": 2, "lora": ["a1", 1, adapters["a1"]]},
         greedy,  # the base model, batched with the adapters
         {**greedy, "logprobs": 1, "lora": ["a2", 2, adapters["a2"]]},
-        {**greedy, "lora": ["a1", 1, adapters["a1"]]},
+        {**greedy, **PENALTIES, "lora": ["a1", 1, adapters["a1"]]},
     ]
 
 
