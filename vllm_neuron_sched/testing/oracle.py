@@ -151,7 +151,8 @@ def generate(llm: Any, prompts: list, sampling: dict | list[dict]) -> list[dict]
 
     def adapter(keywords: dict[str, Any]) -> LoRARequest | None:
         """``"lora": [name, id, path]`` beside the sampling keywords."""
-        return None if "lora" not in keywords else LoRARequest(*keywords["lora"])
+        lora = keywords.get("lora")
+        return None if lora is None else LoRARequest(*lora)
 
     def make(keywords: dict[str, Any]) -> SamplingParams:
         keywords = {k: v for k, v in keywords.items() if k != "lora"}

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from vllm_neuron_sched.worker.spec.constraints import mask_min_tokens
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
@@ -111,3 +112,35 @@ def test_ngram_proposal_is_one_graph_per_decode_bucket() -> None:
         return tokens.int(), lengths, K, 1, 3, 40
 
     _graphs_per_shape(propose_ngram_drafts, [(rows,) for rows in DECODE_BUCKETS], make)
+
+
+def _min_tokens_inputs(rows: int, width: int) -> tuple[Any, ...]:
+    generator = torch.Generator().manual_seed(rows * 10 + width)
+    queries = torch.randn(rows, width, VOCAB, generator=generator)
+    stops = torch.zeros(rows, VOCAB, dtype=torch.bool)
+    stops[:, :2] = True
+    if rows > 1:
+        queries[1, :, 2:] = -torch.inf  # a grammar that leaves only stops
+    num_outputs = torch.randint(0, 4, (rows,), generator=generator)
+    wanted = torch.randint(0, 6, (rows,), generator=generator)
+    structured = torch.arange(rows) % 2 == 1
+    return queries, num_outputs, wanted, stops, structured
+
+
+def test_min_tokens_masks_are_one_graph_per_decode_bucket_and_width() -> None:
+    shapes = [(rows, width) for rows in DECODE_BUCKETS for width in WIDTHS]
+    _graphs_per_shape(mask_min_tokens, shapes, _min_tokens_inputs)
+
+
+def test_min_tokens_masks_each_querys_stops_until_the_count_is_reached() -> None:
+    queries, num_outputs, wanted, stops, structured = _min_tokens_inputs(8, 1 + K)
+    out = mask_min_tokens(queries, num_outputs, wanted, stops, structured)
+    for row in range(8):
+        for j in range(1 + K):
+            masked = num_outputs[row] + j < wanted[row]
+            only_stops = bool(torch.isneginf(queries[row, j, 2:]).all())
+            if masked and not (structured[row] and only_stops):
+                assert torch.isneginf(out[row, j, :2]).all()
+            else:
+                assert torch.equal(out[row, j], queries[row, j])
+            assert torch.equal(out[row, j, 2:], queries[row, j, 2:])

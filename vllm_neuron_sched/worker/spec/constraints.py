@@ -72,19 +72,43 @@ def _mask_min_tokens(
     logits: torch.Tensor, plan: "VerifyPlan", lengths: torch.Tensor
 ) -> None:
     """Query j follows the row's outputs and j drafts: its stops are masked
-    while those are fewer than min_tokens. A structured request's query
-    whose grammar leaves only stops keeps them (vLLM's rule, as its
+    while those are fewer than min_tokens. The rows' settings are host data
+    (``plan.min_tokens``), made tensors here; ``mask_min_tokens`` is the
+    program."""
+    if not plan.min_tokens:
+        return
+    rows, vocab = plan.num_rows, logits.shape[1]
+    wanted = torch.zeros(rows, dtype=torch.int64)
+    structured = torch.zeros(rows, dtype=torch.bool)
+    stops = torch.zeros(rows, vocab, dtype=torch.bool)
+    for row, min_tokens, stop_ids, is_structured in plan.min_tokens:
+        wanted[row] = min_tokens
+        structured[row] = is_structured
+        stops[row, list(stop_ids)] = True
+    queries = logits.view(rows, plan.width, vocab)
+    queries.copy_(
+        mask_min_tokens(queries, lengths - plan.prompt_lens, wanted, stops, structured)
+    )
+
+
+def mask_min_tokens(
+    queries: torch.Tensor,
+    num_outputs: torch.Tensor,
+    wanted: torch.Tensor,
+    stops: torch.Tensor,
+    structured: torch.Tensor,
+) -> torch.Tensor:
+    """The device program: ``queries`` [rows, width, vocab], each row's
+    outputs so far and ``min_tokens`` ([rows]), its stop tokens ([rows,
+    vocab] bool), whether it has a grammar ([rows]). Query j's stops are
+    masked while ``num_outputs + j < min_tokens``. A structured request's
+    query whose grammar leaves only stops keeps them (vLLM's rule, as its
     min_tokens processor restores them), or it would have no token."""
-    width = plan.width
-    num_outputs = (lengths - plan.prompt_lens).tolist()
-    for row, wanted, stops, structured in plan.min_tokens:
-        stop_ids = list(stops)
-        for j in range(min(width, max(0, wanted - num_outputs[row]))):
-            query = logits[row * width + j]
-            kept = query[stop_ids]
-            query[stop_ids] = float("-inf")
-            if structured and torch.isneginf(query).all():
-                query[stop_ids] = kept
+    width = queries.shape[1]
+    active = torch.arange(width)[None, :] < (wanted - num_outputs)[:, None]
+    masked = queries.masked_fill(active[:, :, None] & stops[:, None, :], -torch.inf)
+    emptied = torch.isneginf(masked).all(dim=-1) & structured[:, None]
+    return torch.where(emptied[:, :, None], queries, masked)
 
 
 def _mask_bad_words(
