@@ -23,20 +23,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import speculative
 from benchmarks.speculative import closed_loop, copy_prompts
 from vllm_neuron_sched.testing.oracle import run_json_child
 
 RESULT = "LORA_BENCH_RESULT:"
+# Eager, no prefix cache; vLLM's stats logging off (its default).
 ENGINE = {
-    "max_model_len": 1024,
-    "max_num_batched_tokens": 256,
-    "seed": 0,
-    "enable_prefix_caching": False,
-    "enforce_eager": True,
+    **{k: v for k, v in speculative.ENGINE.items() if k != "disable_log_stats"},
     "async_scheduling": True,
 }
 LORA = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8}
-STOCK = {"VLLM_NEURON_SCHED_DISABLE": "1"}
+STOCK = speculative.STOCK
 # name -> (engine keywords, environment)
 ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "stock": ({}, STOCK),
