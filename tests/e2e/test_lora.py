@@ -5,7 +5,7 @@ with ``max_loras=1`` (one
 adapter's requests wait while the other's run, each adapter evicted and
 loaded again), a prompt longer than a prefill chunk, a second round from
 prefix-cache hits, logprobs and penalties; an adapter loaded and removed while the
-engine serves, and through the server; TP=4 async; prompt logprobs refused
+engine serves, and through a TP=2 server; prompt logprobs refused
 per request.
 
 Stock runs with ``max_loras=3``: vLLM 0.32's CPU kernels give a token with no
@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.checkpoint import (
     ensure_trained_checkpoints,
     make_lora_adapter,
@@ -171,23 +172,6 @@ def test_prompt_logprobs_with_adapters_are_refused_and_the_engine_serves_on(
     assert len(served[0]["token_ids"]) == 12
 
 
-def test_tensor_parallel_4_async_gives_stocks_tokens(
-    checkpoint: str, adapters: dict, stock: Any, prompts: list[list[int]]
-) -> None:
-    """vLLM's LoRA layers shard with the model; every rank activates the
-    same mapping in the same step order."""
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}
-    ours = start_in_subprocess(
-        checkpoint,
-        prompts,
-        _sampling(adapters),
-        {**ENGINE, "max_loras": 1, "tensor_parallel_size": 4, "async_scheduling": True},
-        env=env,
-    ).result()
-    expected = stock.result()[: len(ours)]
-    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in expected]
-
-
 @pytest.mark.asyncio
 async def test_the_server_serves_lora_modules_and_loads_adapters_at_runtime(
     checkpoint: str,
@@ -197,8 +181,10 @@ async def test_the_server_serves_lora_modules_and_loads_adapters_at_runtime(
     tmp_path: Path,
 ) -> None:
     """``--lora-modules`` at start, ``/v1/load_lora_adapter`` and
-    ``/v1/unload_lora_adapter`` while serving (async), each adapter a model
-    name of the API; stock's tokens."""
+    ``/v1/unload_lora_adapter`` while serving (async, TP=2: vLLM's LoRA
+    layers shard with the model, every rank activates the same mapping in
+    the same step order), each adapter a model name of the API; stock's
+    tokens."""
     import httpx
     import openai
 
@@ -211,9 +197,14 @@ async def test_the_server_serves_lora_modules_and_loads_adapters_at_runtime(
         "--lora-modules",
         f"a1={adapters['a1']}",
         "--async-scheduling",
+        "--tensor-parallel-size",
+        "2",
         *engine_args(SMALL_ENGINE),
     ]
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(2),
+    }
     expected = stock.result()
     log = tmp_path / "server.log"
     with OpenAIServer.start(checkpoint, args, log, env, timeout_s=300) as server:
