@@ -50,10 +50,7 @@ def verify_logprobs(
     if processed and not metadata.all_greedy:
         assert metadata.temperature is not None
         scores = sampling_scaled(
-            scores,
-            metadata.temperature.repeat_interleave(width),
-            _per_query(metadata.top_k, width),
-            _per_query(metadata.top_p, width),
+            scores, width, metadata.temperature, metadata.top_k, metadata.top_p
         )
     if mode.endswith("logprobs"):
         scores = sampler.compute_logprobs(scores)
@@ -72,23 +69,30 @@ def verify_logprobs(
 
 def sampling_scaled(
     logits: torch.Tensor,
+    queries_per_row: int,
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``logits`` (a new tensor) divided by their rows' temperatures (1 for
-    greedy rows) and masked to their top-k and top-p: the distribution a
-    random row samples from, and vLLM's processed logits. The arguments hold
-    one entry per row of ``logits``. vLLM's sort-based masks, which keep the
-    shape static (its top-k-only path reads the largest k back to the host)."""
+    """``logits`` (a new tensor), ``queries_per_row`` consecutive ones per
+    batch row, divided by their rows' temperatures (1 for greedy rows) and
+    masked to their top-k and top-p: the distribution a random row samples
+    from, and vLLM's processed logits. The settings hold one entry per batch
+    row. vLLM's sort-based masks, which keep the shape static (its
+    top-k-only path reads the largest k back to the host)."""
+
+    def per_query(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.repeat_interleave(queries_per_row)
+
+    temperature = per_query(temperature)
+    assert temperature is not None
     temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
     return apply_top_k_top_p_pytorch(
-        logits / temperature[:, None].float(), top_k, top_p, allow_cpu_sync=False
+        logits / temperature[:, None].float(),
+        per_query(top_k),
+        per_query(top_p),
+        allow_cpu_sync=False,
     )
-
-
-def _per_query(values: torch.Tensor | None, width: int) -> torch.Tensor | None:
-    return None if values is None else values.repeat_interleave(width)
 
 
 @dataclass(frozen=True)
@@ -212,9 +216,10 @@ def _random_rule(
     rows, k, vocab = target.shape
     probs = sampling_scaled(
         target.reshape(rows * k, vocab),
-        random.temperature.repeat_interleave(k),
-        _per_query(random.top_k, k),
-        _per_query(random.top_p, k),
+        k,
+        random.temperature,
+        random.top_k,
+        random.top_p,
     ).softmax(dim=-1)
     probs = probs.view(rows, k, vocab)
     accept = random.uniforms[:, :k] < probs.gather(2, draft_ids[..., None])[..., 0]
