@@ -18,7 +18,6 @@ from unittest import mock
 
 import pytest
 
-from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.in_process import in_process
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
@@ -88,8 +87,9 @@ def stock_greedy(checkpoint_dir: str) -> list[dict]:
 
 
 # name -> (engine keywords, environment of its workers). Each but "async"
-# (the served set-up) and "async_tp4" (its ranks are processes) runs in this
-# process: seconds to start (``testing/in_process.py``).
+# (the served set-up) runs in this process: seconds to start
+# (``testing/in_process.py``). TP=4 async is test_serve_tp4.py's, speculative
+# at TP=4 test_speculative.py's and test_draft_model.py's.
 ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "async": ({"async_scheduling": True}, {}),
     # A device thread beside the worker's main thread.
@@ -106,12 +106,6 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"async_scheduling": True},
         {"VLLM_NEURON_SCHED_PREFILL_SHAPES": "1x8,1x16,1x32,2x8,2x16,4x8"},
     ),
-    # Four TP ranks run the same packed prefill groups (prompts of one to
-    # three 32-token chunks) and feed their decode rows from the device.
-    "async_tp4": (
-        {"async_scheduling": True, "tensor_parallel_size": 4},
-        {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(4)},
-    ),
     # vLLM's own AsyncScheduler (``--scheduler-cls``): it mixes prefill and
     # decode in one step, which our worker must also run.
     "vllm_scheduler": (
@@ -124,7 +118,7 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 }
 
 
-SPAWNED = ("async", "async_tp4")
+SPAWNED = ("async",)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,12 @@ from vllm_neuron_sched.testing.oracle import (
     spec_decode_counters,
     start_in_subprocess,
 )
-from vllm_neuron_sched.testing.server import SERVED_MODEL, OpenAIServer, engine_args
+from vllm_neuron_sched.testing.server import (
+    SERVED_MODEL,
+    TEST_ENGINE_NICENESS,
+    OpenAIServer,
+    engine_args,
+)
 from vllm_neuron_sched.testing.workloads import MODES, SMALL_ENGINE, STOCK_ENV
 
 pytestmark = pytest.mark.slow
@@ -207,7 +212,9 @@ async def test_the_server_serves_lora_modules_and_loads_adapters_at_runtime(
     }
     expected = stock.result()
     log = tmp_path / "server.log"
-    with OpenAIServer.start(checkpoint, args, log, env, timeout_s=300) as server:
+    with OpenAIServer.start(
+        checkpoint, args, log, env, 300, TEST_ENGINE_NICENESS
+    ) as server:
         client = server.client()
 
         async def tokens(model: str, prompt: list[int]) -> list[int]:

@@ -25,11 +25,13 @@ from vllm_neuron_sched.binding import thread_binding
 from vllm_neuron_sched.testing.kills import kill_mid_stream
 from vllm_neuron_sched.testing.oracle import start_greedy_tokens
 from vllm_neuron_sched.testing.server import (
+    TEST_ENGINE_NICENESS,
     HeadlessNode,
     OpenAIServer,
     engine_args,
     free_port,
     greedy_completion,
+    lower_priority,
 )
 from vllm_neuron_sched.testing.workloads import (
     SERVER_ENGINE,
@@ -86,7 +88,9 @@ def nodes(
                 logs / "node0.log",
                 env,
                 timeout_s=300,
+                engine_niceness=TEST_ENGINE_NICENESS,
             )
+            lower_priority(node1.processes(), TEST_ENGINE_NICENESS)
         except BaseException as error:
             tail = node1.log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"node 0 did not start; node 1 log:\n{tail}") from error

@@ -16,13 +16,17 @@ from collections.abc import Iterator
 import pytest
 
 from vllm_neuron_sched.testing.kills import kill_mid_stream, kill_titled
-from vllm_neuron_sched.testing.server import OpenAIServer, engine_args
+from vllm_neuron_sched.testing.server import (
+    TEST_ENGINE_NICENESS,
+    OpenAIServer,
+    engine_args,
+)
 from vllm_neuron_sched.testing.soak import run_soak
 from vllm_neuron_sched.testing.workloads import SOAK_ENGINE
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-NUM_REQUESTS = 300  # the warm-up runs a tenth more of the same mix
+NUM_REQUESTS = 150  # the warm-up runs a tenth more of the same mix
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,9 @@ def server(
     log = tmp_path_factory.mktemp("soak_tp1") / "server.log"
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # POST /collective_rpc
     args = ["--tensor-parallel-size", "1", *engine_args(SOAK_ENGINE)]
-    with OpenAIServer.start(checkpoint_dir, args, log, env, timeout_s=300) as server:
+    with OpenAIServer.start(
+        checkpoint_dir, args, log, env, 300, TEST_ENGINE_NICENESS
+    ) as server:
         yield server
 
 
