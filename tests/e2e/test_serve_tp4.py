@@ -165,7 +165,8 @@ async def test_ranks_agree_and_futures_stay_bounded(
         assert all(s["max_in_flight_steps"] <= 2 for s in states), states
     assert after[0]["finished_digest"] != before[0]["finished_digest"]
     assert all(s["max_in_flight_steps"] == 2 for s in after), after
-    assert all(s["in_flight_steps"] == 0 for s in after), after
+    # At most the last step, until the worker runs something (soak.py).
+    assert all(s["in_flight_steps"] <= 1 for s in after), after
 
 
 _DISCONNECTING_CLIENT = """

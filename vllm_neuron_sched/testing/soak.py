@@ -177,7 +177,11 @@ async def run_soak(server: OpenAIServer, num: int, tp: int) -> dict[str, Any]:
     states = await server.rank_states()
     assert sorted(s["tp_rank"] for s in states) == list(range(tp))
     assert all(s["num_requests"] == 0 for s in states), states
-    assert all(s["in_flight_steps"] == 0 for s in states), states
+    # At most its last step, whose results are in: an idle worker applies it
+    # in the next thing it runs, and whether the engine sends an empty step
+    # after the last output is the engine's timing (one step held was seen
+    # once, on a starved machine).
+    assert all(s["in_flight_steps"] <= 1 for s in states), states
     assert len({s["history_digest"] for s in states}) == 1, states
     rss_after = server.rss_bytes()
 

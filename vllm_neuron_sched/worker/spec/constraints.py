@@ -141,16 +141,19 @@ def _apply_penalties(
     metadata: "SamplingMetadata",
 ) -> None:
     """vLLM's penalties per query: the row's outputs then the query's drafts
-    count as its output tokens."""
+    count as its output tokens. Over the whole history width (the token
+    table's, plus the drafts'), not the rows' longest: a fixed shape, and no
+    host read of the device's lengths."""
     assert metadata.prompt_token_ids is not None
     rows, width, vocab = plan.num_rows, plan.width, logits.shape[1]
-    span = int(lengths.max()) + width - 1
-    history = tokens.histories_of(plan.slots, span).long()
+    history = tokens.histories_of(plan.slots).long()
     if width > 1:
+        history = torch.nn.functional.pad(history, (0, width - 1))
         columns = lengths[:, None] + torch.arange(width - 1)
         history = history.scatter(
             1, columns, tokens.drafts_of(plan.slots, width - 1).long()
         )
+    span = history.shape[1]
     position = torch.arange(span)[None, None, :]
     ends = lengths[:, None] + torch.arange(width)[None, :]  # [rows, width]
     is_output = (position >= plan.prompt_lens[:, None, None]) & (
