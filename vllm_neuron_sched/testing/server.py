@@ -111,6 +111,14 @@ def _spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
 TEST_ENGINE_NICENESS = 10
 
 
+def process_tree(proc: subprocess.Popen) -> list[Any]:
+    """``proc`` and every process under it (psutil), ``proc`` first."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
 def lower_priority(processes: list[Any], niceness: int) -> None:
     """Every thread of ``processes`` (psutil) to ``niceness``: Linux keeps it
     per thread, and the spinning ones are not always the main thread."""
@@ -150,10 +158,7 @@ class HeadlessNode:
 
     def processes(self) -> list[Any]:
         """The node's processes: ``serve --headless`` and every one under it."""
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
+        return process_tree(self.proc)
 
     def kill(self) -> None:
         """The node dies: every process on it, at once."""
@@ -281,10 +286,7 @@ class OpenAIServer:
 
     def processes(self) -> list[Any]:
         """The server and every process under it (engine core, workers)."""
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
+        return process_tree(self.proc)
 
     def rss_bytes(self) -> int:
         """Resident memory of the server's whole process tree."""
