@@ -84,8 +84,7 @@ def sampling_scaled(
     def per_query(values: torch.Tensor | None) -> torch.Tensor | None:
         return None if values is None else values.repeat_interleave(queries_per_row)
 
-    temperature = per_query(temperature)
-    assert temperature is not None
+    temperature = temperature.repeat_interleave(queries_per_row)
     temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
     return apply_top_k_top_p_pytorch(
         logits / temperature[:, None].float(),
