@@ -2,6 +2,8 @@
 greedy rows keep vLLM's rule, random rows leave each output token distributed
 as the target's, and a seed reproduces."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_neuron_sched.worker.spec.constraints import plan_bad_words
 from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
 
 VOCAB = 6
@@ -163,6 +166,72 @@ def test_penalties_count_each_querys_drafts() -> None:
                 metadata.repetition_penalties[row : row + 1],
             )
             assert torch.allclose(constrained[row * width + j], expected[0])
+
+
+def test_bad_words_mask_each_query_as_vllm_does() -> None:
+    """Query j of a verify row masks a bad word's last token where the row's
+    output and its first j drafts end with the rest of the word, exactly as
+    vLLM's ``apply_bad_words`` over that output: a one-token word always, a
+    prefix across output and drafts, never one reaching into the prompt, and
+    two words ending in the same token each judged alone."""
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+    from vllm_neuron_sched.runtime import make_device
+    from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
+    from vllm_neuron_sched.worker.spec.verify import VerifyPlan
+    from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+    vocab, width = 8, WIDTH
+    tokens = DeviceTokens(4, make_device("inline"), history_len=16, num_drafts=2)
+    # Slot 1: prompt [1, 2], output [3, 4]; slot 3: prompt [5], output [6].
+    histories = {1: ([1, 2], [3, 4]), 3: ([5], [6])}
+    drafts = {1: [5, 6], 3: [2, 3]}
+    for slot, (prompt, output) in histories.items():
+        known = prompt + output
+        slots = torch.tensor([slot])
+        tokens.accept(
+            slots,
+            torch.tensor([0]),
+            torch.tensor([known], dtype=torch.int32),
+            torch.tensor([len(known)]),
+        )
+        tokens.set_drafts(slots, torch.tensor([drafts[slot]]), torch.tensor([2]))
+    words = {
+        # Pasts: [3, 4], [3, 4, 5], [3, 4, 5, 6]. [7] everywhere; [4, 5, 0]
+        # at query 1; [2, 3, 4, 1] never (its 2 is the prompt's); [3, 4, 6]
+        # at query 0 and [0, 0, 6], with the same last token, nowhere.
+        0: [[7], [4, 5, 0], [2, 3, 4, 1], [3, 4, 6], [0, 0, 6]],
+        # Pasts: [6], [6, 2], [6, 2, 3]. [6, 2] at query 0; [5, 6, 3] never
+        # (its 5 is the prompt's); [6, 2, 3, 1] at query 2.
+        1: [[6, 2], [5, 6, 3], [6, 2, 3, 1]],
+    }
+    plan = VerifyPlan(
+        width=width,
+        num_rows=2,
+        num_rows_padded=2,
+        slots=torch.tensor([1, 3]),
+        scheduled_drafts=torch.tensor([2, 2]),
+        prompt_lens=torch.tensor([2, 1]),
+        groups=[],
+        tables={},
+        bad_words=plan_bad_words(2, words),
+    )
+    logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(2))
+    metadata = replace(_metadata([0.0, 0.0]), bad_words_token_ids=words)
+    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata)
+    assert not left.bad_words_token_ids  # the sampler does not apply them again
+    expected = logits.clone()
+    pasts = []
+    for slot in (1, 3):
+        output = histories[slot][1]
+        pasts += [output + drafts[slot][:j] for j in range(width)]
+    query_words = {i: words[i // width] for i in range(2 * width)}
+    apply_bad_words(expected, query_words, pasts)
+    assert torch.equal(constrained, expected)
+    masked = torch.isneginf(constrained).view(2, width, vocab)
+    assert masked[0, :, 7].all() and masked[0, 1, 0] and masked[0, 0, 6]
+    assert masked[1, 0, 2] and masked[1, 2, 1]
+    assert masked.sum() == width + 4  # nothing else
 
 
 def _masks(*allowed: list[int]) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from vllm_neuron_sched.worker.spec.constraints import mask_min_tokens
+from vllm_neuron_sched.worker.spec.constraints import mask_bad_words, mask_min_tokens
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
@@ -144,3 +144,21 @@ def test_min_tokens_masks_each_querys_stops_until_the_count_is_reached() -> None
             else:
                 assert torch.equal(out[row, j], queries[row, j])
             assert torch.equal(out[row, j, 2:], queries[row, j, 2:])
+
+
+def _bad_words_inputs(rows: int, width: int) -> tuple[Any, ...]:
+    generator = torch.Generator().manual_seed(rows * 10 + width)
+    queries = torch.randn(rows, width, VOCAB, generator=generator)
+    history = torch.randint(0, 3, (rows, HISTORY_LEN + K), generator=generator)
+    lengths = torch.randint(4, HISTORY_LEN, (rows,), generator=generator)
+    ends = lengths[:, None] + torch.arange(width)[None, :]
+    first_output = torch.randint(1, 4, (rows,), generator=generator)
+    # Four words of up to four tokens from a small alphabet, so some match.
+    words = torch.randint(0, 3, (rows, 4, 4), generator=generator)
+    word_lens = torch.randint(0, 5, (rows, 4), generator=generator)
+    return queries, history, ends, first_output, words, word_lens
+
+
+def test_bad_words_masks_are_one_graph_per_decode_bucket_and_width() -> None:
+    shapes = [(rows, width) for rows in DECODE_BUCKETS for width in WIDTHS]
+    _graphs_per_shape(mask_bad_words, shapes, _bad_words_inputs)

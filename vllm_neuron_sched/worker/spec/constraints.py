@@ -2,14 +2,14 @@
 logits (penalties, bad words, min_tokens, logits processors), so drafts are
 verified against the distribution a plain step would sample from."""
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.model_executor.layers.utils import apply_penalties
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-from vllm.v1.sample.ops.bad_words import apply_bad_words
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -34,22 +34,42 @@ def constrain_verify_logits(
     placeholders. vLLM's ``apply_penalties`` does the arithmetic, as in stock
     sampling; vLLM's own rejection sampler counts the drafts the same way."""
     mask = metadata.allowed_token_ids_mask
-    bad_words = metadata.bad_words_token_ids
-    if metadata.no_penalties and mask is None and not plan.min_tokens and not bad_words:
+    bad_words = plan.bad_words
+    if (
+        metadata.no_penalties
+        and mask is None
+        and not plan.min_tokens
+        and bad_words is None
+    ):
         return logits, metadata
     logits = logits.clone()
     lengths = tokens.lengths_of(plan.slots)
+    history = None
+    if bad_words is not None or not metadata.no_penalties:
+        history = _histories_with_drafts(plan, tokens, lengths)
     if mask is not None:
         rows = mask[: plan.num_rows].repeat_interleave(plan.width, 0)
         logits.masked_fill_(rows, float("-inf"))
-    if bad_words:
-        _mask_bad_words(logits, plan, tokens, lengths, bad_words)
+    if bad_words is not None:
+        assert history is not None
+        queries = logits.view(plan.num_rows, plan.width, -1)
+        queries.copy_(
+            mask_bad_words(
+                queries,
+                history,
+                _query_ends(lengths, plan.width),
+                plan.prompt_lens,
+                bad_words.words,
+                bad_words.lengths,
+            )
+        )
     # Last of the masks: whether a structured query has a token left is
     # decided over all of them (vLLM's order: its min_tokens processor runs
     # after the allowed tokens and the bad words).
     _mask_min_tokens(logits, plan, lengths)
     if not metadata.no_penalties:
-        _apply_penalties(logits, plan, tokens, lengths, metadata)
+        assert history is not None
+        _apply_penalties(logits, plan, history, lengths, metadata)
     # The sampler (the bonus tokens) must not apply them again; vLLM's
     # min_tokens processor would mask by the host's count, not the query's.
     processors = LogitsProcessors()
@@ -111,51 +131,104 @@ def mask_min_tokens(
     return torch.where(emptied[:, :, None], queries, masked)
 
 
-def _mask_bad_words(
-    logits: torch.Tensor,
-    plan: "VerifyPlan",
-    tokens: "DeviceTokens",
-    lengths: torch.Tensor,
-    bad_words: dict[int, list[list[int]]],
-) -> None:
-    """vLLM's rule per query, over the row's outputs and the query's drafts."""
-    width = plan.width
-    queries: dict[int, list[list[int]]] = {}
-    pasts: list[list[int]] = [[] for _ in range(plan.num_rows * width)]
-    for row, words in bad_words.items():
-        slot = plan.slots[row : row + 1]
-        start, end = int(plan.prompt_lens[row]), int(lengths[row])
-        outputs = tokens.histories_of(slot, end)[0, start:].tolist()
-        drafts = tokens.drafts_of(slot, width - 1)[0].tolist()
-        for j in range(width):
-            queries[row * width + j] = words
-            pasts[row * width + j] = outputs + drafts[:j]
-    apply_bad_words(logits, queries, pasts)
+@dataclass(frozen=True)
+class BadWords:
+    """The rows' bad words as tensors the host prepares (``plan_bad_words``):
+    ``words`` [rows, words, length] token ids, each word left-aligned and
+    zero-padded, ``lengths`` [rows, words] (0: no word)."""
+
+    words: torch.Tensor
+    lengths: torch.Tensor
 
 
-def _apply_penalties(
-    logits: torch.Tensor,
-    plan: "VerifyPlan",
-    tokens: "DeviceTokens",
+def plan_bad_words(
+    num_rows: int, per_row: dict[int, list[list[int]]]
+) -> BadWords | None:
+    """Host side: the rows' tokenized bad words (vLLM's
+    ``SamplingParams.bad_words_token_ids``) padded to powers of two in count
+    and length, so the program runs at one of few shapes whatever the
+    requests ask."""
+    per_row = {row: words for row, words in per_row.items() if words}
+    if not per_row:
+        return None
+    num_words = next_power_of_2(max(len(words) for words in per_row.values()))
+    length = next_power_of_2(max(len(w) for ws in per_row.values() for w in ws))
+    words = torch.zeros(num_rows, num_words, length, dtype=torch.int64)
+    lengths = torch.zeros(num_rows, num_words, dtype=torch.int64)
+    for row, row_words in per_row.items():
+        for i, word in enumerate(row_words):
+            words[row, i, : len(word)] = torch.tensor(word)
+            lengths[row, i] = len(word)
+    return BadWords(words, lengths)
+
+
+def mask_bad_words(
+    queries: torch.Tensor,
+    history: torch.Tensor,
+    ends: torch.Tensor,
+    first_output: torch.Tensor,
+    words: torch.Tensor,
     lengths: torch.Tensor,
-    metadata: "SamplingMetadata",
-) -> None:
-    """vLLM's penalties per query: the row's outputs then the query's drafts
-    count as its output tokens. Over the whole history width (the token
-    table's, plus the drafts'), not the rows' longest: a fixed shape, and no
+) -> torch.Tensor:
+    """The device program, vLLM's rule per query: ``queries`` [rows, width,
+    vocab]; ``history`` [rows, span] each row's tokens (its drafts after
+    them); ``ends`` [rows, width] where each query's past ends; ``first_output``
+    [rows] where the row's outputs start (only outputs count, as in vLLM);
+    ``words``/``lengths`` as in ``BadWords``. A word's last token is masked
+    where the past ends with the rest of the word (a one-token word always)."""
+    rows, width, vocab = queries.shape
+    span = history.shape[1]
+    prefix = lengths - 1  # -1 for a padded word
+    starts = ends[:, :, None] - prefix[:, None, :]  # [rows, width, words]
+    match = (lengths > 0)[:, None, :] & (starts >= first_output[:, None, None])
+    for i in range(words.shape[2] - 1):
+        position = (starts + i).clamp(0, span - 1)
+        token = history.gather(1, position.reshape(rows, -1)).view_as(position)
+        match &= (i >= prefix[:, None, :]) | (token == words[:, None, :, i])
+    last = words.gather(2, prefix.clamp(min=0)[..., None])[..., 0]  # [rows, words]
+    # A count per token: two words may end in the same token.
+    hits = torch.zeros(rows, width, vocab, dtype=torch.int32).scatter_add_(
+        2, last[:, None, :].expand(-1, width, -1), match.int()
+    )
+    return queries.masked_fill(hits > 0, -torch.inf)
+
+
+def _histories_with_drafts(
+    plan: "VerifyPlan", tokens: "DeviceTokens", lengths: torch.Tensor
+) -> torch.Tensor:
+    """[rows, token table width + K] int64: each row's known tokens, then its
+    drafts. The whole width, not the rows' longest: a fixed shape, and no
     host read of the device's lengths."""
-    assert metadata.prompt_token_ids is not None
-    rows, width, vocab = plan.num_rows, plan.width, logits.shape[1]
     history = tokens.histories_of(plan.slots).long()
+    width = plan.width
     if width > 1:
         history = torch.nn.functional.pad(history, (0, width - 1))
         columns = lengths[:, None] + torch.arange(width - 1)
         history = history.scatter(
             1, columns, tokens.drafts_of(plan.slots, width - 1).long()
         )
+    return history
+
+
+def _query_ends(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, width]: query j's past is the row's known tokens and j drafts."""
+    return lengths[:, None] + torch.arange(width)[None, :]
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    plan: "VerifyPlan",
+    history: torch.Tensor,
+    lengths: torch.Tensor,
+    metadata: "SamplingMetadata",
+) -> None:
+    """vLLM's penalties per query: the row's outputs then the query's drafts
+    count as its output tokens, over the history's whole (fixed) width."""
+    assert metadata.prompt_token_ids is not None
+    rows, width, vocab = plan.num_rows, plan.width, logits.shape[1]
     span = history.shape[1]
     position = torch.arange(span)[None, None, :]
-    ends = lengths[:, None] + torch.arange(width)[None, :]  # [rows, width]
+    ends = _query_ends(lengths, width)
     is_output = (position >= plan.prompt_lens[:, None, None]) & (
         position < ends[:, :, None]
     )

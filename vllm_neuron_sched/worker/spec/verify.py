@@ -26,7 +26,11 @@ from vllm_neuron_sched.worker.results import (
     make_output_materializer,
 )
 from vllm_neuron_sched.worker.sampling import sampling_inputs
-from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
+from vllm_neuron_sched.worker.spec.constraints import (
+    BadWords,
+    constrain_verify_logits,
+    plan_bad_words,
+)
 from vllm_neuron_sched.worker.spec.grammar import (
     VerifyGrammar,
     apply_verify_grammar,
@@ -78,6 +82,7 @@ class VerifyPlan:
     tables: BlockTables  # the rows' (the device pads them to the step)
     # The rows that set min_tokens.
     min_tokens: tuple[MinTokensRow, ...] = ()
+    bad_words: BadWords | None = None
 
     @property
     def num_tokens_padded(self) -> int:
@@ -92,6 +97,7 @@ def plan_verify(
     num_spec_tokens: int,
     attn_groups: "list[AttentionGroup]",
     min_tokens: list[MinTokensRow] | None = None,
+    bad_words: dict[int, list[list[int]]] | None = None,
 ) -> VerifyPlan:
     """Host side, from the scheduler's decisions only: no position, since the
     scheduler's ``num_computed_tokens`` may count drafts the device rejected
@@ -109,6 +115,7 @@ def plan_verify(
         groups=attn_groups,
         tables=block_tables(batch, num_rows),
         min_tokens=tuple(min_tokens or ()),
+        bad_words=plan_bad_words(num_rows, bad_words or {}),
     )
 
 
@@ -248,6 +255,7 @@ class VerifyStep:
             ctx.speculation.num_tokens,
             ctx.kv_cache.attn_groups,
             _min_tokens_rows(host, rows.req_ids),
+            _bad_words_rows(host, rows.req_ids),
         )
         adapters = None
         if ctx.lora is not None:
@@ -322,6 +330,18 @@ def _min_tokens_rows(
             stops = tuple(sorted(params.all_stop_token_ids))
             structured = params.structured_outputs is not None
             rows.append((row, params.min_tokens, stops, structured))
+    return rows
+
+
+def _bad_words_rows(
+    host: "HostRequestState", req_ids: list[str]
+) -> dict[int, list[list[int]]]:
+    """The rows' tokenized bad words: the verify step masks them per query."""
+    rows = {}
+    for row, req_id in enumerate(req_ids):
+        params = host.requests[req_id].sampling_params
+        if params is not None and params.bad_words_token_ids:
+            rows[row] = params.bad_words_token_ids
     return rows
 
 
