@@ -10,7 +10,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from vllm_neuron_sched.worker.spec.constraints import mask_bad_words, mask_min_tokens
+from vllm_neuron_sched.worker.spec.constraints import (
+    mask_bad_words,
+    mask_min_tokens,
+    penalize_queries,
+)
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
@@ -162,3 +166,20 @@ def _bad_words_inputs(rows: int, width: int) -> tuple[Any, ...]:
 def test_bad_words_masks_are_one_graph_per_decode_bucket_and_width() -> None:
     shapes = [(rows, width) for rows in DECODE_BUCKETS for width in WIDTHS]
     _graphs_per_shape(mask_bad_words, shapes, _bad_words_inputs)
+
+
+def _penalties_inputs(rows: int, width: int) -> tuple[Any, ...]:
+    generator = torch.Generator().manual_seed(rows * 10 + width)
+    queries = torch.randn(rows, width, VOCAB, generator=generator)
+    history = torch.randint(0, VOCAB, (rows, HISTORY_LEN + K), generator=generator)
+    lengths = torch.randint(4, HISTORY_LEN, (rows,), generator=generator)
+    ends = lengths[:, None] + torch.arange(width)[None, :]
+    prompt_lens = torch.randint(1, 4, (rows,), generator=generator)
+    presence, frequency = torch.rand(2, rows, generator=generator)
+    repetition = torch.rand(rows, generator=generator) + 1.0
+    return queries, history, ends, prompt_lens, presence, frequency, repetition
+
+
+def test_penalties_are_one_graph_per_decode_bucket_and_width() -> None:
+    shapes = [(rows, width) for rows in DECODE_BUCKETS for width in WIDTHS]
+    _graphs_per_shape(penalize_queries, shapes, _penalties_inputs)

@@ -42,34 +42,41 @@ def constrain_verify_logits(
         and bad_words is None
     ):
         return logits, metadata
-    logits = logits.clone()
+    rows, width = plan.num_rows, plan.width
+    queries = logits.view(rows, width, -1)
     lengths = tokens.lengths_of(plan.slots)
+    ends = lengths[:, None] + torch.arange(width)[None, :]  # j drafts past them
+    if mask is not None:
+        queries = queries.masked_fill(mask[:rows, None, :], float("-inf"))
     history = None
     if bad_words is not None or not metadata.no_penalties:
         history = _histories_with_drafts(plan, tokens, lengths)
-    if mask is not None:
-        rows = mask[: plan.num_rows].repeat_interleave(plan.width, 0)
-        logits.masked_fill_(rows, float("-inf"))
     if bad_words is not None:
         assert history is not None
-        queries = logits.view(plan.num_rows, plan.width, -1)
-        queries.copy_(
-            mask_bad_words(
-                queries,
-                history,
-                _query_ends(lengths, plan.width),
-                plan.prompt_lens,
-                bad_words.words,
-                bad_words.lengths,
-            )
+        queries = mask_bad_words(
+            queries,
+            history,
+            ends,
+            plan.prompt_lens,
+            bad_words.words,
+            bad_words.lengths,
         )
     # Last of the masks: whether a structured query has a token left is
     # decided over all of them (vLLM's order: its min_tokens processor runs
     # after the allowed tokens and the bad words).
-    _mask_min_tokens(logits, plan, lengths)
+    queries = _mask_min_tokens(queries, plan, lengths)
     if not metadata.no_penalties:
         assert history is not None
-        _apply_penalties(logits, plan, history, lengths, metadata)
+        queries = penalize_queries(
+            queries,
+            history,
+            ends,
+            plan.prompt_lens,
+            metadata.presence_penalties[:rows],
+            metadata.frequency_penalties[:rows],
+            metadata.repetition_penalties[:rows],
+        )
+    logits = queries.reshape(rows * width, -1)
     # The sampler (the bonus tokens) must not apply them again; vLLM's
     # min_tokens processor would mask by the host's count, not the query's.
     processors = LogitsProcessors()
@@ -89,15 +96,15 @@ def constrain_verify_logits(
 
 
 def _mask_min_tokens(
-    logits: torch.Tensor, plan: "VerifyPlan", lengths: torch.Tensor
-) -> None:
+    queries: torch.Tensor, plan: "VerifyPlan", lengths: torch.Tensor
+) -> torch.Tensor:
     """Query j follows the row's outputs and j drafts: its stops are masked
     while those are fewer than min_tokens. The rows' settings are host data
     (``plan.min_tokens``), made tensors here; ``mask_min_tokens`` is the
     program."""
     if not plan.min_tokens:
-        return
-    rows, vocab = plan.num_rows, logits.shape[1]
+        return queries
+    rows, vocab = plan.num_rows, queries.shape[2]
     wanted = torch.zeros(rows, dtype=torch.int64)
     structured = torch.zeros(rows, dtype=torch.bool)
     stops = torch.zeros(rows, vocab, dtype=torch.bool)
@@ -105,9 +112,8 @@ def _mask_min_tokens(
         wanted[row] = min_tokens
         structured[row] = is_structured
         stops[row, list(stop_ids)] = True
-    queries = logits.view(rows, plan.width, vocab)
-    queries.copy_(
-        mask_min_tokens(queries, lengths - plan.prompt_lens, wanted, stops, structured)
+    return mask_min_tokens(
+        queries, lengths - plan.prompt_lens, wanted, stops, structured
     )
 
 
@@ -210,34 +216,34 @@ def _histories_with_drafts(
     return history
 
 
-def _query_ends(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, width]: query j's past is the row's known tokens and j drafts."""
-    return lengths[:, None] + torch.arange(width)[None, :]
-
-
-def _apply_penalties(
-    logits: torch.Tensor,
-    plan: "VerifyPlan",
+def penalize_queries(
+    queries: torch.Tensor,
     history: torch.Tensor,
-    lengths: torch.Tensor,
-    metadata: "SamplingMetadata",
-) -> None:
-    """vLLM's penalties per query: the row's outputs then the query's drafts
-    count as its output tokens, over the history's whole (fixed) width."""
-    assert metadata.prompt_token_ids is not None
-    rows, width, vocab = plan.num_rows, plan.width, logits.shape[1]
+    ends: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """The device program, vLLM's penalties per query (its
+    ``apply_penalties`` does the arithmetic): ``queries`` [rows, width,
+    vocab]; ``history``, ``ends`` as in ``mask_bad_words``; the row's prompt
+    (``prompt_lens``, read from the history, so no batch-wide padding) counts
+    for the repetition penalty, its outputs and the query's drafts for all
+    three; the penalties are [rows]. -> a new tensor."""
+    rows, width, vocab = queries.shape
     span = history.shape[1]
-    position = torch.arange(span)[None, None, :]
-    ends = _query_ends(lengths, width)
-    is_output = (position >= plan.prompt_lens[:, None, None]) & (
-        position < ends[:, :, None]
+    position = torch.arange(span)[None, :]
+    prompts = torch.where(position < prompt_lens[:, None], history, vocab)
+    is_output = (position[:, None, :] >= prompt_lens[:, None, None]) & (
+        position[:, None, :] < ends[:, :, None]
     )
     outputs = torch.where(is_output, history[:, None, :], vocab)
-    apply_penalties(
-        logits,
-        metadata.prompt_token_ids[:rows].repeat_interleave(width, 0),
+    return apply_penalties(
+        queries.reshape(rows * width, vocab).clone(),
+        prompts.repeat_interleave(width, 0),
         outputs.reshape(rows * width, span),
-        metadata.presence_penalties[:rows].repeat_interleave(width),
-        metadata.frequency_penalties[:rows].repeat_interleave(width),
-        metadata.repetition_penalties[:rows].repeat_interleave(width),
-    )
+        presence.repeat_interleave(width),
+        frequency.repeat_interleave(width),
+        repetition.repeat_interleave(width),
+    ).view(rows, width, vocab)
