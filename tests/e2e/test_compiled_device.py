@@ -38,18 +38,39 @@ def compiled_llm(checkpoint_dir: str) -> Iterator[Any]:
             yield llm
 
 
+def _params() -> list[dict[str, Any]]:
+    """The mixed workload, one request with penalties and min_tokens (the
+    verify step's compiled constraints) and one with bad words (eager)."""
+    params = mixed_greedy()
+    params[2].update(
+        repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2
+    )
+    params[2]["min_tokens"] = 4
+    params[3]["bad_words"] = ["qu", "gu"]
+    return params
+
+
 def test_compiled_serves_stock_tokens_without_compiling(
     checkpoint_dir: str, compiled_llm: Any
 ) -> None:
     stock = start_in_subprocess(
-        checkpoint_dir, mixed_prompts(), mixed_greedy(), SMALL_ENGINE, STOCK_ENV
+        checkpoint_dir, mixed_prompts(), _params(), SMALL_ENGINE, STOCK_ENV
     )
     (before,) = compiled_llm.collective_rpc("get_compiled_shapes")
     declared = before["declared"]
     # decode rows of 1 and 1 + K queries, prefill shapes, token buckets
     assert declared is not None and {1, 2, 4, 16, 32} <= set(declared)
     assert before["forward_graphs"] == len(declared)
-    ours = generate(compiled_llm, mixed_prompts(), mixed_greedy())
+    # Per decode bucket (1, 2, 4): widths 1 and 1 + K, and for rejection
+    # sampling greedy, random and truncated rows where there are drafts.
+    assert before["program_graphs"] == {
+        "accept_drafts": 12,
+        "propose_ngram_drafts": 3,
+        "mask_min_tokens": 6,
+        "penalize_queries": 6,
+    }
+    ours = generate(compiled_llm, mixed_prompts(), _params())
     (after,) = compiled_llm.collective_rpc("get_compiled_shapes")
     assert after["forward_graphs"] == len(declared)  # nothing recompiled
+    assert after["program_graphs"] == before["program_graphs"]
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

@@ -1,5 +1,7 @@
-"""The forward as a static-shape compiler makes it: one graph per declared
-shape, all compiled before serving (the ``compiled`` device backend).
+"""The device's programs as a static-shape compiler makes them: one graph
+per declared shape, all compiled before serving (the ``compiled`` device
+backend): the forward per token count, and the programs around it
+(``worker/programs.py``) per decode bucket.
 
 A Neuron or Spyre port compiles a graph per bucket when the model loads and
 treats a shape nobody declared as an error. ``torch.compile(fullgraph=True,
@@ -10,6 +12,7 @@ process-wide) turns a new shape into an error that names the model and the
 shape (docs/design.md, section 9).
 """
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -20,6 +23,8 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.exc import RecompileError
 from vllm.logger import init_logger
 
+from vllm_neuron_sched.worker.programs import PROGRAMS, Dimensions, Program, Programs
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -29,13 +34,12 @@ logger = init_logger(__name__)
 
 
 class ShapeNotCompiledError(RuntimeError):
-    """A forward at a shape no graph was compiled for at start-up."""
+    """A program at a shape no graph was compiled for at start-up."""
 
 
-def compile_per_shape(model: torch.nn.Module, vllm_config: "VllmConfig") -> None:
-    """Wraps ``model`` (in place) so that each input shape is a graph of its
-    own, traced whole; vLLM's configured backend (inductor by default, with
-    the options stock's compile gets) makes the graphs."""
+def compile_options(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """vLLM's configured backend (inductor by default, with the options
+    stock's compile gets), as ``torch.compile`` keywords."""
     from vllm.env_override import _apply_constrain_to_fx_strides_patch
 
     _apply_constrain_to_fx_strides_patch()  # as vLLM does before compiling
@@ -43,7 +47,13 @@ def compile_per_shape(model: torch.nn.Module, vllm_config: "VllmConfig") -> None
     backend = compilation.init_backend(vllm_config)
     # Inductor gets the options vLLM's CPU platform tunes for stock's graph.
     options = compilation.inductor_compile_config if backend == "inductor" else None
-    model.compile(fullgraph=True, dynamic=False, backend=backend, options=options)
+    return {"fullgraph": True, "dynamic": False, "backend": backend, "options": options}
+
+
+def compile_per_shape(model: torch.nn.Module, vllm_config: "VllmConfig") -> None:
+    """Wraps ``model`` (in place) so that each input shape is a graph of its
+    own, traced whole."""
+    model.compile(**compile_options(vllm_config))
 
 
 def forward_sizes(buckets: "Buckets", verify_width: int) -> tuple[int, ...]:
@@ -119,6 +129,16 @@ def declared_shape(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
     if sizes is None:
         yield
         return
+    with _only_compiled_graphs(
+        f"{type(model).__name__} ran at {num_tokens} tokens, a shape not "
+        f"compiled at start-up (declared: {list(sizes)})"
+    ):
+        yield
+
+
+@contextmanager
+def _only_compiled_graphs(what: str) -> Iterator[None]:
+    """Torch's ``fail_on_recompile`` stance, its error ours, saying ``what``."""
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             yield
@@ -127,7 +147,122 @@ def declared_shape(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
             error
         ):
             raise
-        raise ShapeNotCompiledError(
-            f"compiled device: {type(model).__name__} ran at {num_tokens} "
-            f"tokens, a shape not compiled at start-up (declared: {list(sizes)})"
-        ) from error
+        raise ShapeNotCompiledError(f"compiled device: {what}") from error
+
+
+class CompiledProgram:
+    """A program (``worker/programs.py``) compiled once per declared shape:
+    its rows padded to the smallest decode bucket that holds them (copies of
+    the last row, so padded rows compute on real data), its answer cut back.
+    Once ``compile_programs`` has warmed it up, a shape that would compile is
+    an error naming the program."""
+
+    def __init__(self, program: Program, rows: tuple[int, ...], **options: Any):
+        self.name = program.name
+        self.rows = rows
+        self.function = program.function
+        self._compiled = torch.compile(program.function, **options)
+        self.declared = False
+
+    def graphs(self) -> int:
+        """Dynamo's cache entries for the program: its compiled graphs."""
+        return len(_debug_get_cache_entry_list(self.function.__code__))
+
+    def __call__(self, *args: Any) -> Any:
+        rows = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+        if rows == 0:
+            return self.function(*args)  # nothing to run
+        bucket = next((size for size in self.rows if size >= rows), None)
+        if bucket is None:
+            raise ShapeNotCompiledError(
+                f"compiled device: program {self.name} at {rows} rows, more "
+                f"than the largest decode bucket ({self.rows[-1]})"
+            )
+        # Dynamo guards on inference mode and on whether each input is an
+        # inference tensor: both made the same for every call.
+        with torch.inference_mode():
+            padded = [_pad_rows(arg, bucket) for arg in args]
+            if not self.declared:
+                return _cut_rows(self._compiled(*padded), rows)
+            with _only_compiled_graphs(
+                f"program {self.name} at {bucket} rows, arguments "
+                f"{_signature(padded)}, not compiled at start-up"
+            ):
+                return _cut_rows(self._compiled(*padded), rows)
+
+
+def _pad_rows(value: Any, rows: int) -> Any:
+    """In inference mode: a tensor's rows padded with copies of its last, as
+    an inference tensor (a copy where it was not one)."""
+    if isinstance(value, torch.Tensor):
+        missing = rows - value.shape[0]
+        if missing:
+            value = torch.cat([value, value[-1:].expand(missing, *value.shape[1:])])
+        elif not value.is_inference():
+            value = value.clone()
+        return value.contiguous()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return dataclasses.replace(
+            value, **{f.name: _pad_rows(getattr(value, f.name), rows) for f in fields}
+        )
+    return value
+
+
+def _cut_rows(value: Any, rows: int) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_cut_rows(item, rows) for item in value)
+    return value[:rows]
+
+
+def _signature(args: list[Any]) -> str:
+    def one(arg: Any) -> str:
+        if isinstance(arg, torch.Tensor):
+            return f"{str(arg.dtype).removeprefix('torch.')}{list(arg.shape)}"
+        if dataclasses.is_dataclass(arg) and not isinstance(arg, type):
+            return type(arg).__name__
+        return repr(arg)
+
+    return "(" + ", ".join(one(arg) for arg in args) + ")"
+
+
+def compile_programs(
+    dims: Dimensions,
+    options: dict[str, Any],
+    on_device: Callable[..., Any],
+    what: str,
+) -> Programs:
+    """Compiles each declared program at each of its declared shapes (its
+    ``examples``, on the device's thread), checks that a second pass compiles
+    nothing, and returns the programs that hold the step to those graphs
+    (``options``: torch.compile's, ``compile_options``). A program not
+    declared (``Program.declared``), or with no shape here (the n-gram
+    proposal without an n-gram proposer), stays eager."""
+    examples = {p.name: list(p.examples(dims)) for p in PROGRAMS if p.declared}
+    declared = [p for p in PROGRAMS if examples.get(p.name)]
+    compiled = {p.name: CompiledProgram(p, dims.rows, **options) for p in declared}
+    on_device(_allow_graphs, max(len(calls) for calls in examples.values()))
+    start = time.perf_counter()
+    counts: dict[str, int] = {}
+    for attempt in range(2):
+        for name in compiled:
+            for args in examples[name]:
+                on_device(compiled[name], *args)
+            graphs = compiled[name].graphs()
+            if attempt and graphs != counts[name]:
+                raise RuntimeError(
+                    f"{what}: a second pass over {name}'s declared shapes "
+                    f"compiled {graphs - counts[name]} more graph(s): a guard "
+                    "depends on something other than the shape"
+                )
+            counts[name] = graphs
+    for program in compiled.values():
+        program.declared = True
+    logger.info(
+        "%s: compiled %d graph(s) in %.1f s: %s",
+        what,
+        sum(counts.values()),
+        time.perf_counter() - start,
+        ", ".join(f"{name} {n}" for name, n in counts.items()),
+    )
+    return dataclasses.replace(Programs(), **compiled)

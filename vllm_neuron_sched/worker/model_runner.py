@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,7 +64,10 @@ from vllm_neuron_sched.runtime import Materializer
 from vllm_neuron_sched.worker.async_flow import AsyncFlow, AsyncStepOutput, InFlightStep
 from vllm_neuron_sched.worker.buckets import Buckets
 from vllm_neuron_sched.worker.compiled import (
+    CompiledProgram,
+    compile_options,
     compile_per_shape,
+    compile_programs,
     forward_graphs,
     forward_sizes,
     warm_up,
@@ -81,6 +84,7 @@ from vllm_neuron_sched.worker.pipeline import (
     empty_hidden,
     stage_kinds,
 )
+from vllm_neuron_sched.worker.programs import Dimensions
 from vllm_neuron_sched.worker.results import DraftedOutput
 from vllm_neuron_sched.worker.sampling_state import SamplingState
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
@@ -326,21 +330,54 @@ class NeuronSchedModelRunner:
         every declared shape."""
         if self.device.compiles_per_shape:
             spec = self.ctx.speculation
+
+            def on_device(fn: Any, *args: Any) -> Any:
+                return self.device.enqueue(fn, *args).result()
+
             warm_up(
                 self._models(),
                 forward_sizes(
                     self.ctx.buckets, 1 if spec is None else 1 + spec.num_tokens
                 ),
                 self._dummy_forward,
-                lambda fn, *args: self.device.enqueue(fn, *args).result(),
+                on_device,
                 f"{self.device.label}: forward",
             )
+            if spec is not None:  # the programs around it are the verify step's
+                self._compile_programs(spec, on_device)
             return
         if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
             return
         logger.info("Warming up model for compilation...")
         self.device.enqueue(self._dummy_forward, self.max_num_tokens).result()
         logger.info("Warming up done.")
+
+    def _compile_programs(self, spec: Speculation, on_device: Any) -> None:
+        """The verify step's programs (and the n-gram proposal) compiled per
+        decode bucket, in place of the eager ones."""
+        is_ngram = isinstance(self.ctx.proposer, NgramProposer)
+        dims = Dimensions(
+            rows=self.ctx.buckets.decode,
+            num_drafts=spec.num_tokens,
+            vocab=self.model_config.get_vocab_size(),
+            history_len=self.ctx.token_table.history_len,
+            noise_dtype=torch.float64
+            if self.ctx.sampler.use_fp64_gumbel
+            else torch.float32,
+            # No n-gram proposer: its program has no declared shape.
+            min_n=spec.min_n if is_ngram else 0,
+            max_n=spec.max_n if is_ngram else 0,
+            max_model_len=spec.max_model_len,
+        )
+        programs = compile_programs(
+            dims,
+            compile_options(self.vllm_config),
+            on_device,
+            f"{self.device.label}: programs",
+        )
+        self.ctx.programs = programs
+        if is_ngram:
+            self.ctx.proposer = replace(self.ctx.proposer, programs=programs)
 
     @property
     def max_model_len(self) -> int:
@@ -549,10 +586,16 @@ class NeuronSchedModelRunner:
         return self.flow.host_section(name)
 
     def get_compiled_shapes(self) -> dict[str, Any]:
+        """The forward's declared token counts and graphs, and each compiled
+        program's graphs (dynamo's cache entries: a recompile adds one)."""
         models = self._models()
+        programs = vars(self.ctx.programs).values()
         return {
             "declared": getattr(models[0], "declared_shapes", None),
             "forward_graphs": forward_graphs(models),
+            "program_graphs": {
+                p.name: p.graphs() for p in programs if isinstance(p, CompiledProgram)
+            },
         }
 
     def _models(self) -> list[torch.nn.Module]:

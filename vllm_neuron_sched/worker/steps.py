@@ -25,6 +25,7 @@ from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.inputs import StepInputs, token_inputs
 from vllm_neuron_sched.worker.lora import StepAdapters, step_adapters
+from vllm_neuron_sched.worker.programs import EAGER, Programs
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
     StepMasks,
@@ -137,6 +138,9 @@ class StepContext:
     # LoRA (--enable-lora): the adapter manager, on the device side.
     lora: "Adapters | None" = None
     model: Any = None
+    # The programs around the forward: eager, or compiled per declared shape
+    # on the compiled device (``worker/programs.py``).
+    programs: Programs = EAGER
 
     @property
     def max_model_len(self) -> int:

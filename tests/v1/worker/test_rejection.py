@@ -11,6 +11,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.spec.constraints import plan_bad_words
 from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
 
@@ -55,7 +56,13 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
     # Row 0: both drafts right, so the bonus follows; row 1: the first wrong.
     drafts = torch.stack([argmax[0, :2], (argmax[1, :2] + 1) % VOCAB]).int()
     out = rejection_sample(
-        Sampler(), logits, WIDTH, torch.tensor([2, 2]), drafts, _metadata([0.0, 0.0])
+        Sampler(),
+        logits,
+        WIDTH,
+        torch.tensor([2, 2]),
+        drafts,
+        _metadata([0.0, 0.0]),
+        EAGER,
     )
     assert out[0].tolist() == argmax[0].tolist()
     assert out[1].tolist() == [argmax[1, 0].item(), REJECTED, REJECTED]
@@ -79,6 +86,7 @@ def test_random_rows_keep_the_target_distribution() -> None:
             torch.tensor([1]),
             torch.tensor([[draft, 0]], dtype=torch.int32),
             _metadata([temperature], generators),
+            EAGER,
         )
         counts[out[0, 0]] += 1
         assert (out[0] != REJECTED).sum() in (1, 2)  # a token always follows
@@ -99,6 +107,7 @@ def test_a_seed_reproduces() -> None:
             torch.tensor([2, 1]),
             drafts,
             _metadata([1.0, 0.7], generators),
+            EAGER,
         ).tolist()
 
     assert run() == run()
@@ -152,7 +161,7 @@ def test_penalties_count_each_querys_drafts() -> None:
         repetition_penalties=torch.tensor([1.5, 2.0]),
     )
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(1))
-    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata)
+    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
     assert left.no_penalties  # the sampler does not apply them again
     for row, slot in enumerate((1, 2)):
         prompt, output = histories[slot]
@@ -218,7 +227,7 @@ def test_bad_words_mask_each_query_as_vllm_does() -> None:
     )
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(2))
     metadata = replace(_metadata([0.0, 0.0]), bad_words_token_ids=words)
-    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata)
+    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
     assert not left.bad_words_token_ids  # the sampler does not apply them again
     expected = logits.clone()
     pasts = []
@@ -258,7 +267,13 @@ def _grammar_step(
     )
     num_drafts = apply_verify_grammar(logits, torch.tensor([2, 2]), grammar)
     out = rejection_sample(
-        Sampler(), logits, WIDTH, num_drafts, argmax[:, :2].int(), _metadata([0, 0])
+        Sampler(),
+        logits,
+        WIDTH,
+        num_drafts,
+        argmax[:, :2].int(),
+        _metadata([0, 0]),
+        EAGER,
     )
     return out, argmax
 
@@ -384,6 +399,7 @@ def _verify_one_row(
         False,
         ["r"],
         plan,
+        EAGER,
         grammar,  # type: ignore[arg-type]
     )
     return verified.token_ids([True])[0]

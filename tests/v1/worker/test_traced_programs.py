@@ -10,6 +10,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from vllm_neuron_sched.worker.compiled import (
+    CompiledProgram,
+    ShapeNotCompiledError,
+    compile_programs,
+)
+from vllm_neuron_sched.worker.programs import PROGRAMS, Dimensions, Program
 from vllm_neuron_sched.worker.spec.constraints import (
     mask_bad_words,
     mask_min_tokens,
@@ -59,14 +65,15 @@ def _accept_inputs(
         agree[:, : width - 1], argmax[:, : width - 1].int(), drafts[:, : width - 1]
     )
     num_drafts = torch.randint(0, width, (rows,), generator=generator)
-    bonus = torch.randint(0, VOCAB, (rows,), generator=generator)
+    # int32, as vLLM's sampler gives them; top-k int32, as its input batch.
+    bonus = torch.randint(0, VOCAB, (rows,), generator=generator, dtype=torch.int32)
     randomness = None
     if random:
         temperature = torch.rand(rows, generator=generator) + 0.1
         temperature[0] = 0.0  # a greedy row among random ones
         randomness = Randomness(
             temperature,
-            torch.full((rows,), 5) if top_k else None,
+            torch.full((rows,), 5, dtype=torch.int32) if top_k else None,
             torch.full((rows,), 0.9) if top_k else None,
             torch.rand(rows, K, generator=generator),
             torch.empty(rows, VOCAB).exponential_(generator=generator),
@@ -183,3 +190,58 @@ def _penalties_inputs(rows: int, width: int) -> tuple[Any, ...]:
 def test_penalties_are_one_graph_per_decode_bucket_and_width() -> None:
     shapes = [(rows, width) for rows in DECODE_BUCKETS for width in WIDTHS]
     _graphs_per_shape(penalize_queries, shapes, _penalties_inputs)
+
+
+# Small engine dimensions: the registry's declared shapes at them.
+DIMS = Dimensions(
+    rows=(1, 2, 4),
+    num_drafts=K,
+    vocab=VOCAB,
+    history_len=HISTORY_LEN,
+    noise_dtype=torch.float32,
+    min_n=1,
+    max_n=3,
+    max_model_len=40,
+)
+EAGER_BACKEND = {"fullgraph": True, "dynamic": False, "backend": "eager"}
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
+def test_every_registered_program_is_one_graph_per_declared_shape(
+    program: Program,
+) -> None:
+    """What a port compiles: each program of the registry at each of its
+    declared shapes, traced whole, one graph each."""
+    examples = list(program.examples(DIMS))
+    assert examples
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(program.function, **EAGER_BACKEND)
+    with torch._dynamo.config.patch(recompile_limit=64), torch.inference_mode():
+        for _ in range(2):
+            for args in examples:
+                compiled(*args)
+    assert counters["stats"]["unique_graphs"] == len(examples)
+
+
+def test_compiled_programs_pad_rows_to_a_bucket_and_refuse_other_shapes() -> None:
+    """The compiled device's programs: 3 rows run in the 4-row graph and
+    answer as the eager program; a shape nobody declared (another vocabulary)
+    is an error naming the program, and compiles nothing."""
+    torch._dynamo.reset()
+    programs = compile_programs(
+        DIMS, EAGER_BACKEND, lambda fn, *args: fn(*args), "test: programs"
+    )
+    program = programs.accept_drafts
+    assert isinstance(program, CompiledProgram)
+    graphs = program.graphs()
+    assert graphs == len(list(PROGRAMS[0].examples(DIMS)))
+    with torch.inference_mode():
+        for random in (False, True):
+            args = _accept_inputs(3, 1 + K, random, top_k=random)
+            torch.testing.assert_close(program(*args), accept_drafts(*args))
+        queries, *rest = _accept_inputs(3, 1 + K, random=False)
+        with pytest.raises(ShapeNotCompiledError, match="program accept_drafts"):
+            program(torch.cat([queries, queries], dim=-1), *rest)
+    assert program.graphs() == graphs
+    assert programs.mask_bad_words is mask_bad_words  # not declared: eager

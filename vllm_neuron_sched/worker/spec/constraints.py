@@ -14,6 +14,7 @@ from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
 
+    from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.spec.verify import VerifyPlan
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
@@ -23,6 +24,7 @@ def constrain_verify_logits(
     plan: "VerifyPlan",
     tokens: "DeviceTokens",
     metadata: "SamplingMetadata",
+    programs: "Programs",
 ) -> "tuple[torch.Tensor, SamplingMetadata]":
     """Device side: the allowed-token masks, min_tokens' stop masks, bad words
     and the penalties at every query of a verify step, and the metadata left
@@ -53,7 +55,7 @@ def constrain_verify_logits(
         history = _histories_with_drafts(plan, tokens, lengths)
     if bad_words is not None:
         assert history is not None
-        queries = mask_bad_words(
+        queries = programs.mask_bad_words(
             queries,
             history,
             ends,
@@ -64,10 +66,10 @@ def constrain_verify_logits(
     # Last of the masks: whether a structured query has a token left is
     # decided over all of them (vLLM's order: its min_tokens processor runs
     # after the allowed tokens and the bad words).
-    queries = _mask_min_tokens(queries, plan, lengths)
+    queries = _mask_min_tokens(queries, plan, lengths, programs)
     if not metadata.no_penalties:
         assert history is not None
-        queries = penalize_queries(
+        queries = programs.penalize_queries(
             queries,
             history,
             ends,
@@ -96,7 +98,10 @@ def constrain_verify_logits(
 
 
 def _mask_min_tokens(
-    queries: torch.Tensor, plan: "VerifyPlan", lengths: torch.Tensor
+    queries: torch.Tensor,
+    plan: "VerifyPlan",
+    lengths: torch.Tensor,
+    programs: "Programs",
 ) -> torch.Tensor:
     """Query j follows the row's outputs and j drafts: its stops are masked
     while those are fewer than min_tokens. The rows' settings are host data
@@ -112,7 +117,7 @@ def _mask_min_tokens(
         wanted[row] = min_tokens
         structured[row] = is_structured
         stops[row, list(stop_ids)] = True
-    return mask_min_tokens(
+    return programs.mask_min_tokens(
         queries, lengths - plan.prompt_lens, wanted, stops, structured
     )
 

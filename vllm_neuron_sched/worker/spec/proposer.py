@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from vllm_neuron_sched.worker.programs import EAGER, Programs
 from vllm_neuron_sched.worker.results import Drafts
 from vllm_neuron_sched.worker.spec.config import Speculation
-from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.token_table import SPARE_TOKEN_SLOT
 
 if TYPE_CHECKING:
@@ -49,13 +49,14 @@ class Proposer(Protocol):
 @dataclass(frozen=True)
 class NgramProposer:
     speculation: Speculation
+    programs: Programs = EAGER
 
     def prefill(self, inputs: "StepInputs") -> None:
         """The n-gram proposer reads the histories, which the step wrote."""
 
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
         spec, slots = self.speculation, accepted.slots
-        drafts, counts = propose_ngram_drafts(
+        drafts, counts = self.programs.propose_ngram_drafts(
             tokens.histories_of(slots),
             tokens.lengths_of(slots),
             spec.num_tokens,

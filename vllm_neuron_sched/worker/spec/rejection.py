@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.worker.programs import Programs
+
 
 # Rejected positions in the rejection sampler's output.
 REJECTED = -1
@@ -113,7 +115,9 @@ def draw_randomness(
 ) -> Randomness | None:
     """The per-request step before ``accept_drafts``: each seeded row draws
     from its own generator (after the bonus token's draw), the others from
-    torch's. None when every row is greedy."""
+    torch's. None when every row is greedy. Top-k and top-p come both or
+    neither (a row without one keeps the whole vocabulary, vLLM's own
+    filling), so the program has two random variants, not four."""
     if metadata.all_greedy:
         return None
     assert metadata.temperature is not None
@@ -123,9 +127,12 @@ def draw_randomness(
     for row, generator in metadata.generators.items():
         uniforms[row] = torch.rand(num_drafts, generator=generator)
         noise[row].exponential_(generator=generator)
-    return Randomness(
-        metadata.temperature, metadata.top_k, metadata.top_p, uniforms, noise
-    )
+    top_k, top_p = metadata.top_k, metadata.top_p
+    if top_k is None and top_p is not None:
+        top_k = torch.full((rows,), vocab, dtype=torch.int32)
+    if top_p is None and top_k is not None:
+        top_p = torch.ones(rows, dtype=torch.float32)
+    return Randomness(metadata.temperature, top_k, top_p, uniforms, noise)
 
 
 def rejection_sample(
@@ -135,6 +142,7 @@ def rejection_sample(
     num_drafts: torch.Tensor,
     drafts: torch.Tensor,
     metadata: "SamplingMetadata",
+    programs: "Programs",
 ) -> torch.Tensor:
     """Speculative rejection sampling for drafts without probabilities
     (n-gram: the draft distribution is one-hot). ``logits``: [rows * width,
@@ -155,7 +163,7 @@ def rejection_sample(
     ).sampled_token_ids[:, 0]
     noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
     random = draw_randomness(metadata, drafts.shape[1], logits.shape[1], noise_dtype)
-    return accept_drafts(queries, drafts, num_drafts, bonus, random)
+    return programs.accept_drafts(queries, drafts, num_drafts, bonus, random)
 
 
 def accept_drafts(

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
         StepUpdate,
     )
     from vllm_neuron_sched.worker.layout import AttentionInputs
+    from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.steps import StepContext, StepRows
     from vllm_neuron_sched.worker.token_table import DeviceTokens
@@ -167,6 +168,7 @@ def verify_on_device(
     needs_histories: bool,
     req_ids: list[str],
     plan: VerifyPlan,
+    programs: "Programs",
     grammar: VerifyGrammar | None = None,
 ) -> Verified:
     """Device side, after the verify forward: the logits in float32 (as
@@ -180,7 +182,9 @@ def verify_on_device(
         num_drafts = forward.num_drafts
         if grammar is not None:
             num_drafts = apply_verify_grammar(raw_logits, num_drafts, grammar)
-        logits, metadata = constrain_verify_logits(raw_logits, plan, tokens, metadata)
+        logits, metadata = constrain_verify_logits(
+            raw_logits, plan, tokens, metadata, programs
+        )
         sampled = rejection_sample(
             sampler,
             logits,
@@ -188,6 +192,7 @@ def verify_on_device(
             num_drafts,
             tokens.drafts_of(plan.slots),
             metadata,
+            programs,
         )
         accepted = (sampled != REJECTED).sum(dim=1)
         logprobs = None
@@ -306,6 +311,7 @@ class VerifyStep:
             needs_histories,
             self.req_ids,
             self.plan,
+            ctx.programs,
             verify_grammar,
         )
         output = make_output_materializer(

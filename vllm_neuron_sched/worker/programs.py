@@ -1,0 +1,178 @@
+"""The device programs around the forward, in one registry: what a port
+compiles besides the model, and at which shapes (docs/design.md, section 9).
+
+Each program is a fixed-signature function of tensors whose first dimension
+is the step's rows: no host read, no shape that depends on the data. Its
+declared shapes are the decode buckets times what the engine fixes at start-up
+(the verify widths 1 and 1 + K, the vocabulary, the token table's width, the
+sampling variants). ``examples`` gives one call's arguments per declared shape:
+the ``compiled`` device compiles each program with them at start-up
+(``worker/compiled.py``), and ``tests/v1/worker/test_traced_programs.py``
+traces them.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_neuron_sched.worker.spec.constraints import (
+    mask_bad_words,
+    mask_min_tokens,
+    penalize_queries,
+)
+from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
+from vllm_neuron_sched.worker.spec.rejection import Randomness, accept_drafts
+
+
+@dataclass(frozen=True)
+class Dimensions:
+    """What the declared shapes are made of, fixed at start-up."""
+
+    rows: tuple[int, ...]  # the decode buckets
+    num_drafts: int  # K
+    vocab: int
+    history_len: int  # the token table's width
+    noise_dtype: torch.dtype  # the sampler's Gumbel noise (fp64 or fp32)
+    min_n: int = 0  # the n-gram proposer's; 0: none
+    max_n: int = 0
+    max_model_len: int = 1
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """A verify step's queries per row: 1 when no row has drafts."""
+        return (1, 1 + self.num_drafts)
+
+
+Examples = Callable[[Dimensions], Iterator[tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    function: Callable[..., Any]
+    examples: Examples
+    # Compiled per declared shape on the compiled device. Bad words are not
+    # yet: their words' count and length are the request's, not declared.
+    declared: bool = True
+
+
+def _verify_shapes(dims: Dimensions) -> Iterator[tuple[int, int]]:
+    for rows in dims.rows:
+        for width in dims.widths:
+            yield rows, width
+
+
+def _queries(rows: int, width: int, dims: Dimensions) -> torch.Tensor:
+    return torch.zeros(rows, width, dims.vocab)
+
+
+def _history(rows: int, width: int, dims: Dimensions) -> torch.Tensor:
+    """A row's tokens then its drafts (``constraints._histories_with_drafts``)."""
+    return torch.zeros(rows, dims.history_len + width - 1, dtype=torch.int64)
+
+
+def _rows_of(rows: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.zeros(rows, dtype=dtype)
+
+
+def _accept_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """Greedy, random, and random with top-k and top-p (``draw_randomness``
+    gives both or neither); a step without drafts (width 1) takes the bonus
+    tokens whatever the rows' randomness: one graph."""
+    for rows, width in _verify_shapes(dims):
+        drafts = torch.zeros(rows, dims.num_drafts, dtype=torch.int32)
+        common = (_queries(rows, width, dims), drafts, _rows_of(rows))
+        for truncated in (None, False, True) if width > 1 else (None,):
+            random = None
+            if truncated is not None:
+                # Valid settings: every token kept (top-k the vocabulary).
+                random = Randomness(
+                    _rows_of(rows, torch.float32),
+                    torch.full((rows,), dims.vocab, dtype=torch.int32)
+                    if truncated
+                    else None,
+                    torch.ones(rows) if truncated else None,
+                    torch.zeros(rows, dims.num_drafts),
+                    torch.ones(rows, dims.vocab, dtype=dims.noise_dtype),
+                )
+            yield (*common, _rows_of(rows, torch.int32), random)
+
+
+def _ngram_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """None without an n-gram proposer (``max_n`` 0)."""
+    if not dims.max_n:
+        return
+    for rows in dims.rows:
+        yield (
+            torch.zeros(rows, dims.history_len, dtype=torch.int32),
+            _rows_of(rows),
+            dims.num_drafts,
+            dims.min_n,
+            dims.max_n,
+            dims.max_model_len,
+        )
+
+
+def _min_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    for rows, width in _verify_shapes(dims):
+        yield (
+            _queries(rows, width, dims),
+            _rows_of(rows),
+            _rows_of(rows),
+            torch.zeros(rows, dims.vocab, dtype=torch.bool),
+            _rows_of(rows, torch.bool),
+        )
+
+
+def _penalties_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    for rows, width in _verify_shapes(dims):
+        penalty = _rows_of(rows, torch.float32)
+        yield (
+            _queries(rows, width, dims),
+            _history(rows, width, dims),
+            torch.zeros(rows, width, dtype=torch.int64),
+            _rows_of(rows),
+            penalty,
+            penalty,
+            penalty + 1.0,
+        )
+
+
+def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """At four words of up to four tokens (``plan_bad_words`` pads a step's
+    to powers of two)."""
+    for rows, width in _verify_shapes(dims):
+        yield (
+            _queries(rows, width, dims),
+            _history(rows, width, dims),
+            torch.zeros(rows, width, dtype=torch.int64),
+            _rows_of(rows),
+            torch.zeros(rows, 4, 4, dtype=torch.int64),
+            torch.zeros(rows, 4, dtype=torch.int64),
+        )
+
+
+PROGRAMS: tuple[Program, ...] = (
+    Program("accept_drafts", accept_drafts, _accept_drafts_examples),
+    Program("propose_ngram_drafts", propose_ngram_drafts, _ngram_examples),
+    Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
+    Program("penalize_queries", penalize_queries, _penalties_examples),
+    Program("mask_bad_words", mask_bad_words, _bad_words_examples, declared=False),
+)
+
+
+@dataclass(frozen=True)
+class Programs:
+    """The programs a step runs, by name: the functions themselves (eager),
+    or each compiled per declared shape (``compiled.compile_programs``)."""
+
+    accept_drafts: Callable[..., Any] = accept_drafts
+    propose_ngram_drafts: Callable[..., Any] = propose_ngram_drafts
+    mask_min_tokens: Callable[..., Any] = mask_min_tokens
+    penalize_queries: Callable[..., Any] = penalize_queries
+    mask_bad_words: Callable[..., Any] = mask_bad_words
+
+
+EAGER = Programs()
