@@ -1,8 +1,9 @@
 """The compatibility matrix's engine-level half (README.md): what a user sets
 for the whole engine (the model's kind, the scheduling mode with or without
-speculative decoding, the logprobs mode, the dtype, the device backend, the
-user's logits processors), every pair of two settings on some engine (a
-pairwise covering design), each against stock vLLM CPU with the same model,
+speculative decoding, the logprobs mode, the dtype, the device backend
+(inline, threaded, compiled per shape), the user's logits processors), every
+pair of two settings on some engine (a pairwise covering design), each
+against stock vLLM CPU with the same model,
 logprobs mode, dtype and processors. The per-request half is in
 test_generate.py.
 
@@ -64,14 +65,22 @@ LOGPROBS_MODES = [
     "processed_logits",
 ]
 DTYPES = ["float32", "bfloat16"]
-# The device backends: executions inside enqueue, or on a device thread that
-# holds each one 2 ms longer without a core (an accelerator's asynchrony).
+# The device backends: executions inside enqueue, on a device thread that
+# holds each one 2 ms longer without a core (an accelerator's asynchrony), or
+# on a device thread whose programs are compiled per declared shape.
 DEVICES: dict[str, dict[str, str]] = {
     "inline": {"VLLM_NEURON_SCHED_DEVICE": "inline"},
     "thread": {
         "VLLM_NEURON_SCHED_DEVICE": "thread",
         "VLLM_NEURON_SCHED_SIM_DEVICE_MS": "2",
     },
+    "compiled": {"VLLM_NEURON_SCHED_DEVICE": "compiled"},
+}
+# The compiled device's engines: stock's compile mode (our runner compiles
+# per shape), on dynamo's eager backend (seconds to compile on 2 cores).
+COMPILE = {
+    "enforce_eager": False,
+    "compilation_config": {"mode": 1, "backend": "eager"},
 }
 # The user's logits processors (``--logits-processors``), or none.
 PROCESSORS: dict[str, list[str]] = {
@@ -212,13 +221,23 @@ def test_engine_settings_in_pairs_equal_stock(
         "logprobs_mode": logprobs_mode,
         "dtype": dtype,
         "logits_processors": PROCESSORS[processors],
+        **(COMPILE if device == "compiled" else {}),
     }
     prompts, params = _requests(processors)
     with (
         mock.patch.dict(os.environ, DEVICES[device]),
         in_process_llm(models[model], **engine) as llm,
     ):
+        (graphs,) = llm.collective_rpc("get_compiled_shapes")
         ours = [r for _ in range(ROUNDS) for r in generate(llm, prompts, params)]
+        # Compiled: nothing compiled while serving (the stance would have
+        # failed the step, and the graphs would have grown).
+        assert llm.collective_rpc("get_compiled_shapes") == [graphs]
+    if device == "compiled":
+        assert graphs["declared"] and graphs["forward_graphs"] >= len(
+            graphs["declared"]
+        )
+        assert bool(graphs["program_graphs"]) == (mode == "async_ngram")
     theirs = stock(model, logprobs_mode, dtype, processors)
     for i, (record, expected) in enumerate(zip(ours, theirs, strict=True)):
         if dtype == "bfloat16":

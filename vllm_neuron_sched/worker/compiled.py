@@ -88,13 +88,20 @@ def warm_up(
     forwards run and waits), checks that a second pass compiles nothing, and
     from then on holds each model to those sizes (``declared_shape``)."""
     sizes = tuple(sizes)
-    # A graph per size for each model (a draft of the target's class shares
-    # its code, and dynamo's limit counts graphs per code object).
-    on_device(_allow_graphs, len(sizes) * len(models))
+    wanted = len(sizes) * len(models)
     graphs_before, start = forward_graphs(models), time.perf_counter()
+    # A graph per size for each model (a draft of the target's class shares
+    # its code, and dynamo's limit counts graphs per code object, those an
+    # earlier engine in this process compiled included).
+    on_device(_allow_graphs, graphs_before + wanted)
     for size in sizes:
         on_device(forward_at, size)
     compiled = forward_graphs(models) - graphs_before
+    if compiled != wanted:  # dynamo past a limit runs the rest eager
+        raise RuntimeError(
+            f"{what}: compiled {compiled} graph(s) for {len(sizes)} declared "
+            f"token counts and {len(models)} model(s), not one each"
+        )
     for size in sizes:
         on_device(forward_at, size)
     if more := forward_graphs(models) - graphs_before - compiled:
@@ -163,10 +170,16 @@ class CompiledProgram:
         self.function = program.function
         self._compiled = torch.compile(program.function, **options)
         self.declared = False
+        # Another engine in this process may have compiled the function.
+        self.entries_before = self._entries()
+
+    def _entries(self) -> int:
+        return len(_debug_get_cache_entry_list(self.function.__code__))
 
     def graphs(self) -> int:
-        """Dynamo's cache entries for the program: its compiled graphs."""
-        return len(_debug_get_cache_entry_list(self.function.__code__))
+        """The graphs compiled for this engine (dynamo's cache entries for
+        the program since it was wrapped): a recompile adds one."""
+        return self._entries() - self.entries_before
 
     def __call__(self, *args: Any) -> Any:
         rows = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
@@ -241,28 +254,30 @@ def compile_programs(
     examples = {p.name: list(p.examples(dims)) for p in PROGRAMS if p.declared}
     declared = [p for p in PROGRAMS if examples.get(p.name)]
     compiled = {p.name: CompiledProgram(p, dims.rows, **options) for p in declared}
-    on_device(_allow_graphs, max(len(calls) for calls in examples.values()))
+    on_device(
+        _allow_graphs,
+        max(len(examples[p.name]) + p.entries_before for p in compiled.values()),
+    )
     start = time.perf_counter()
-    counts: dict[str, int] = {}
     for attempt in range(2):
-        for name in compiled:
+        for name, program in compiled.items():
             for args in examples[name]:
-                on_device(compiled[name], *args)
-            graphs = compiled[name].graphs()
-            if attempt and graphs != counts[name]:
+                on_device(program, *args)
+            if (graphs := program.graphs()) != len(examples[name]):
                 raise RuntimeError(
-                    f"{what}: a second pass over {name}'s declared shapes "
-                    f"compiled {graphs - counts[name]} more graph(s): a guard "
-                    "depends on something other than the shape"
+                    f"{what}: {name} has {graphs} graph(s) after pass "
+                    f"{attempt + 1} over its {len(examples[name])} declared "
+                    "shapes, not one each (a guard that depends on something "
+                    "other than the shape, or dynamo's limit)"
                 )
-            counts[name] = graphs
     for program in compiled.values():
         program.declared = True
     logger.info(
-        "%s: compiled %d graph(s) in %.1f s: %s",
+        "%s: compiled %d graph(s) in %.1f s: %s; eager: %s",
         what,
-        sum(counts.values()),
+        sum(program.graphs() for program in compiled.values()),
         time.perf_counter() - start,
-        ", ".join(f"{name} {n}" for name, n in counts.items()),
+        ", ".join(f"{name} {p.graphs()}" for name, p in compiled.items()),
+        ", ".join(p.name for p in PROGRAMS if p.name not in compiled) or "none",
     )
     return dataclasses.replace(Programs(), **compiled)

@@ -136,14 +136,14 @@ class DeviceTokens:
         counts: torch.Tensor,
     ) -> None:
         """Each row's first ``counts`` of ``tokens`` [rows, W] enter its
-        history at ``starts``; the last of them is the newest token."""
+        history at ``starts``; the last of them is the newest token. Every
+        entry is written, at a fixed shape: those past a row's count into the
+        spare slot, which nothing reads."""
         width = tokens.shape[1]
         columns = starts[:, None] + torch.arange(width)
         keep = torch.arange(width)[None, :] < counts[:, None]
-        rows = slots[:, None].expand(-1, width)
-        self._history[rows[keep], columns[keep].clamp(max=self.history_len - 1)] = (
-            tokens[keep]
-        )
+        rows = torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
+        self._history[rows, columns.clamp(max=self.history_len - 1)] = tokens
         self._lengths[slots] = starts + counts
         newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
         self._table[slots] = newest

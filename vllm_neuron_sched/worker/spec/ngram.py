@@ -48,10 +48,15 @@ def propose_ngram_drafts(
     for n in range(1, min(max_n, max_len - 1) + 1):
         m = n - 1
         suffix_token = tokens.gather(1, (lengths - 1 - m).clamp(min=0)[:, None])
-        is_match[:, m:] &= tokens[:, : max_len - m] == suffix_token
-        is_match[:, :m] = False
+        # Functional, no in-place update of a slice or view of another dtype:
+        # inductor miscompiled those (drafts never accepted, an index out of
+        # bounds), where eager and dynamo's eager backend agreed.
+        shifted = torch.nn.functional.pad(
+            tokens[:, : max_len - m] == suffix_token, (m, 0), value=False
+        )
+        is_match = is_match & shifted
         # argmax returns the first maximum: the earliest end, if any matches.
-        first_end = is_match.view(torch.uint8).argmax(dim=1)
+        first_end = is_match.to(torch.uint8).argmax(dim=1)
         has_match = is_match.gather(1, first_end[:, None]).squeeze(1)
         # Matches are nested (length n implies n - 1), so the last n wins.
         best_n = torch.where(has_match, n, best_n)
