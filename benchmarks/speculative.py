@@ -342,13 +342,22 @@ def main() -> None:
     for key, row in table.items():
         dtype, concurrency, mode = key.split("/")
         base = table.get(f"{dtype}/{concurrency}/{BASELINE}")
-        stock = table.get(f"{dtype}/{concurrency}/stock_sync")
+        # Tokens against stock_sync's, or the first stock mode run.
+        stocks = [m for m in ["stock_sync", *modes] if m.startswith("stock_")]
+        reference = next(
+            (m for m in stocks if f"{dtype}/{concurrency}/{m}" in table), None
+        )
         ratio = row["tok_s"] / base["tok_s"] if base else float("nan")
-        same = "" if stock is None else row["raw"]["tokens"] == stock["raw"]["tokens"]
+        same = (
+            ""
+            if reference is None
+            else row["raw"]["tokens"]
+            == table[f"{dtype}/{concurrency}/{reference}"]["raw"]["tokens"]
+        )
         print(
             f"{dtype:9s} c={concurrency:3s} {mode:18s} {row['tok_s']:7.1f} tok/s "
             f"x{ratio:5.2f} of {BASELINE}  acceptance {row['acceptance']} "
-            f"(drafted {row['draft_tokens']})  = stock_sync tokens: {same}  "
+            f"(drafted {row['draft_tokens']})  = {reference} tokens: {same}  "
             f"start {row['start_s']} s"
         )
     report = {

@@ -60,17 +60,19 @@ def test_compiled_serves_stock_tokens_without_compiling(
     declared = before["declared"]
     # decode rows of 1 and 1 + K queries, prefill shapes, token buckets
     assert declared is not None and {1, 2, 4, 16, 32} <= set(declared)
-    assert before["forward_graphs"] == len(declared)
+    # Dynamo's graphs, an earlier engine's in this process included.
+    assert before["forward_graphs"] >= len(declared)
     # Per decode bucket (1, 2, 4): widths 1 and 1 + K, and for rejection
     # sampling greedy, random and truncated rows where there are drafts.
-    assert before["program_graphs"] == {
+    assert before["program_shapes"] == {
         "accept_drafts": 12,
         "propose_ngram_drafts": 3,
         "mask_min_tokens": 6,
         "penalize_queries": 6,
     }
+    for name, shapes in before["program_shapes"].items():
+        assert before["program_graphs"][name] >= shapes
     ours = generate(compiled_llm, mixed_prompts(), _params())
     (after,) = compiled_llm.collective_rpc("get_compiled_shapes")
-    assert after["forward_graphs"] == len(declared)  # nothing recompiled
-    assert after["program_graphs"] == before["program_graphs"]
+    assert after == before  # nothing compiled while serving
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

@@ -88,20 +88,15 @@ def warm_up(
     forwards run and waits), checks that a second pass compiles nothing, and
     from then on holds each model to those sizes (``declared_shape``)."""
     sizes = tuple(sizes)
-    wanted = len(sizes) * len(models)
     graphs_before, start = forward_graphs(models), time.perf_counter()
     # A graph per size for each model (a draft of the target's class shares
     # its code, and dynamo's limit counts graphs per code object, those an
-    # earlier engine in this process compiled included).
-    on_device(_allow_graphs, graphs_before + wanted)
+    # earlier engine in this process compiled included: fewer are compiled
+    # where dynamo reuses them).
+    on_device(_allow_graphs, graphs_before + len(sizes) * len(models))
     for size in sizes:
         on_device(forward_at, size)
     compiled = forward_graphs(models) - graphs_before
-    if compiled != wanted:  # dynamo past a limit runs the rest eager
-        raise RuntimeError(
-            f"{what}: compiled {compiled} graph(s) for {len(sizes)} declared "
-            f"token counts and {len(models)} model(s), not one each"
-        )
     for size in sizes:
         on_device(forward_at, size)
     if more := forward_graphs(models) - graphs_before - compiled:
@@ -170,16 +165,12 @@ class CompiledProgram:
         self.function = program.function
         self._compiled = torch.compile(program.function, **options)
         self.declared = False
-        # Another engine in this process may have compiled the function.
-        self.entries_before = self._entries()
-
-    def _entries(self) -> int:
-        return len(_debug_get_cache_entry_list(self.function.__code__))
+        self.num_shapes = 0  # declared (``compile_programs``)
 
     def graphs(self) -> int:
-        """The graphs compiled for this engine (dynamo's cache entries for
-        the program since it was wrapped): a recompile adds one."""
-        return self._entries() - self.entries_before
+        """Dynamo's cache entries for the program (an earlier engine's in
+        this process included, which it reuses): a recompile adds one."""
+        return len(_debug_get_cache_entry_list(self.function.__code__))
 
     def __call__(self, *args: Any) -> Any:
         rows = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
@@ -254,30 +245,36 @@ def compile_programs(
     examples = {p.name: list(p.examples(dims)) for p in PROGRAMS if p.declared}
     declared = [p for p in PROGRAMS if examples.get(p.name)]
     compiled = {p.name: CompiledProgram(p, dims.rows, **options) for p in declared}
+    before = {name: program.graphs() for name, program in compiled.items()}
     on_device(
         _allow_graphs,
-        max(len(examples[p.name]) + p.entries_before for p in compiled.values()),
+        max(len(examples[name]) + before[name] for name in compiled),
     )
     start = time.perf_counter()
-    for attempt in range(2):
-        for name, program in compiled.items():
-            for args in examples[name]:
-                on_device(program, *args)
-            if (graphs := program.graphs()) != len(examples[name]):
-                raise RuntimeError(
-                    f"{what}: {name} has {graphs} graph(s) after pass "
-                    f"{attempt + 1} over its {len(examples[name])} declared "
-                    "shapes, not one each (a guard that depends on something "
-                    "other than the shape, or dynamo's limit)"
-                )
+    for name, program in compiled.items():
+        program.num_shapes = len(examples[name])
+        for args in examples[name]:
+            on_device(program, *args)
+    after = {name: program.graphs() for name, program in compiled.items()}
+    for name, program in compiled.items():
+        for args in examples[name]:
+            on_device(program, *args)
+        if more := program.graphs() - after[name]:
+            raise RuntimeError(
+                f"{what}: a second pass over {name}'s declared shapes compiled "
+                f"{more} more graph(s): a guard depends on something other "
+                "than the shape"
+            )
     for program in compiled.values():
         program.declared = True
     logger.info(
-        "%s: compiled %d graph(s) in %.1f s: %s; eager: %s",
+        "%s: %d declared shapes, %d graph(s) compiled in %.1f s (the rest "
+        "reused from an earlier engine in this process): %s; eager: %s",
         what,
-        sum(program.graphs() for program in compiled.values()),
+        sum(map(len, examples.values())),
+        sum(after[name] - before[name] for name in compiled),
         time.perf_counter() - start,
-        ", ".join(f"{name} {p.graphs()}" for name, p in compiled.items()),
+        ", ".join(f"{name} {len(examples[name])}" for name in compiled),
         ", ".join(p.name for p in PROGRAMS if p.name not in compiled) or "none",
     )
     return dataclasses.replace(Programs(), **compiled)

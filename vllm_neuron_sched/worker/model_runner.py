@@ -593,6 +593,9 @@ class NeuronSchedModelRunner:
         return {
             "declared": getattr(models[0], "declared_shapes", None),
             "forward_graphs": forward_graphs(models),
+            "program_shapes": {
+                p.name: p.num_shapes for p in programs if isinstance(p, CompiledProgram)
+            },
             "program_graphs": {
                 p.name: p.graphs() for p in programs if isinstance(p, CompiledProgram)
             },
