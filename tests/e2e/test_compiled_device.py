@@ -63,9 +63,9 @@ def test_compiled_serves_stock_tokens_without_compiling(
     # Dynamo's graphs, an earlier engine's in this process included.
     assert before["forward_graphs"] >= len(declared)
     # Per decode bucket (1, 2, 4): widths 1 and 1 + K, and for rejection
-    # sampling greedy, random and truncated rows where there are drafts.
+    # sampling greedy, random and truncated rows.
     assert before["program_shapes"] == {
-        "accept_drafts": 12,
+        "accept_drafts": 18,
         "propose_ngram_drafts": 3,
         "mask_min_tokens": 6,
         "penalize_queries": 6,

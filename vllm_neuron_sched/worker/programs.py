@@ -79,14 +79,14 @@ def _rows_of(rows: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
 
 def _accept_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
     """Greedy, random, and random with top-k and top-p (``draw_randomness``
-    gives both or neither); a step without drafts (width 1) takes the bonus
-    tokens whatever the rows' randomness: one graph."""
+    gives both or neither)."""
     for rows, width in _verify_shapes(dims):
         drafts = torch.zeros(rows, dims.num_drafts, dtype=torch.int32)
         common = (_queries(rows, width, dims), drafts, _rows_of(rows))
-        for truncated in (None, False, True) if width > 1 else (None,):
+        for truncated in (None, False, True):
             random = None
             if truncated is not None:
+                noise = torch.ones(rows, dims.vocab, dtype=dims.noise_dtype)
                 # Valid settings: every token kept (top-k the vocabulary).
                 random = Randomness(
                     _rows_of(rows, torch.float32),
@@ -94,10 +94,11 @@ def _accept_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
                     if truncated
                     else None,
                     torch.ones(rows) if truncated else None,
+                    noise,
                     torch.zeros(rows, dims.num_drafts),
-                    torch.ones(rows, dims.vocab, dtype=dims.noise_dtype),
+                    noise,
                 )
-            yield (*common, _rows_of(rows, torch.int32), random)
+            yield (*common, random)
 
 
 def _ngram_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:

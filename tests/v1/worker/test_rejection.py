@@ -56,12 +56,12 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
     # Row 0: both drafts right, so the bonus follows; row 1: the first wrong.
     drafts = torch.stack([argmax[0, :2], (argmax[1, :2] + 1) % VOCAB]).int()
     out = rejection_sample(
-        Sampler(),
         logits,
         WIDTH,
         torch.tensor([2, 2]),
         drafts,
         _metadata([0.0, 0.0]),
+        torch.float32,
         EAGER,
     )
     assert out[0].tolist() == argmax[0].tolist()
@@ -80,12 +80,12 @@ def test_random_rows_keep_the_target_distribution() -> None:
     for seed in range(num_samples):
         generators = {0: torch.Generator().manual_seed(seed)}
         out = rejection_sample(
-            Sampler(),
             logits,
             WIDTH,
             torch.tensor([1]),
             torch.tensor([[draft, 0]], dtype=torch.int32),
             _metadata([temperature], generators),
+            torch.float32,
             EAGER,
         )
         counts[out[0, 0]] += 1
@@ -101,12 +101,12 @@ def test_a_seed_reproduces() -> None:
         generators = {i: torch.Generator().manual_seed(7 + i) for i in range(2)}
         torch.rand(3)  # the global generator moves: seeded rows must not care
         return rejection_sample(
-            Sampler(),
             logits,
             WIDTH,
             torch.tensor([2, 1]),
             drafts,
             _metadata([1.0, 0.7], generators),
+            torch.float32,
             EAGER,
         ).tolist()
 
@@ -267,12 +267,12 @@ def _grammar_step(
     )
     num_drafts = apply_verify_grammar(logits, torch.tensor([2, 2]), grammar)
     out = rejection_sample(
-        Sampler(),
         logits,
         WIDTH,
         num_drafts,
         argmax[:, :2].int(),
         _metadata([0, 0]),
+        torch.float32,
         EAGER,
     )
     return out, argmax

@@ -65,20 +65,20 @@ def _accept_inputs(
         agree[:, : width - 1], argmax[:, : width - 1].int(), drafts[:, : width - 1]
     )
     num_drafts = torch.randint(0, width, (rows,), generator=generator)
-    # int32, as vLLM's sampler gives them; top-k int32, as its input batch.
-    bonus = torch.randint(0, VOCAB, (rows,), generator=generator, dtype=torch.int32)
     randomness = None
     if random:
         temperature = torch.rand(rows, generator=generator) + 0.1
         temperature[0] = 0.0  # a greedy row among random ones
         randomness = Randomness(
             temperature,
+            # int32, as vLLM's input batch holds top-k.
             torch.full((rows,), 5, dtype=torch.int32) if top_k else None,
             torch.full((rows,), 0.9) if top_k else None,
+            torch.empty(rows, VOCAB).exponential_(generator=generator),
             torch.rand(rows, K, generator=generator),
             torch.empty(rows, VOCAB).exponential_(generator=generator),
         )
-    return queries, drafts, num_drafts, bonus, randomness
+    return queries, drafts, num_drafts, randomness
 
 
 @pytest.mark.parametrize(
@@ -97,11 +97,12 @@ def test_rejection_sampling_is_one_graph_per_decode_bucket_and_width(
 
 def test_the_traced_program_keeps_the_greedy_rule() -> None:
     """Fixed shapes, same answer: each greedy row's leading run of drafts
-    that are the argmax, then the argmax (or the bonus after all of them)."""
-    queries, drafts, num_drafts, bonus, _ = _accept_inputs(8, 1 + K, random=False)
+    that are the argmax, then the argmax (after all of them the bonus: the
+    argmax of the query that follows them)."""
+    queries, drafts, num_drafts, _ = _accept_inputs(8, 1 + K, random=False)
     torch._dynamo.reset()
     out = torch.compile(accept_drafts, fullgraph=True, dynamic=False, backend="eager")(
-        queries, drafts, num_drafts, bonus, None
+        queries, drafts, num_drafts, None
     )
     argmax = queries.argmax(dim=-1)
     for row in range(8):
@@ -111,7 +112,7 @@ def test_the_traced_program_keeps_the_greedy_rule() -> None:
             if drafts[row, j] != argmax[row, j]:
                 break
         else:
-            expected.append(int(bonus[row]))
+            expected.append(int(argmax[row, n]))
         assert out[row].tolist() == expected + [REJECTED] * (1 + K - len(expected))
 
 

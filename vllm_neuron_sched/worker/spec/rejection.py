@@ -98,14 +98,17 @@ def sampling_scaled(
 
 @dataclass(frozen=True)
 class Randomness:
-    """What a verify step's random rows draw, ``K`` (the configured number of
-    drafts) uniforms and one exponential per vocabulary entry a row, however
-    many drafts the row or the step has: so a seeded request's generator moves
-    the same whatever batch it is in, and the program's shapes are fixed."""
+    """What a verify step's random rows draw: one exponential per vocabulary
+    entry for the bonus token (as vLLM's sampler draws for a token), then
+    ``K`` (the configured number of drafts) uniforms and one exponential per
+    vocabulary entry a row, however many drafts the row or the step has: so
+    a seeded request's generator moves the same whatever batch it is in, and
+    the program's shapes are fixed."""
 
     temperature: torch.Tensor  # [rows] float32
-    top_k: torch.Tensor | None  # [rows]
-    top_p: torch.Tensor | None  # [rows]
+    top_k: torch.Tensor | None  # [rows] int32
+    top_p: torch.Tensor | None  # [rows] float32
+    bonus_noise: torch.Tensor  # [rows, vocab]
     uniforms: torch.Tensor  # [rows, K]
     noise: torch.Tensor  # [rows, vocab]
 
@@ -114,17 +117,23 @@ def draw_randomness(
     metadata: "SamplingMetadata", num_drafts: int, vocab: int, noise_dtype: torch.dtype
 ) -> Randomness | None:
     """The per-request step before ``accept_drafts``: each seeded row draws
-    from its own generator (after the bonus token's draw), the others from
-    torch's. None when every row is greedy. Top-k and top-p come both or
+    from its own generator, the others from torch's, the bonus token's noise
+    first. None when every row is greedy. Top-k and top-p come both or
     neither (a row without one keeps the whole vocabulary, vLLM's own
     filling), so the program has two random variants, not four."""
     if metadata.all_greedy:
         return None
     assert metadata.temperature is not None
     rows = metadata.temperature.shape[0]
+    generators = metadata.generators
+    bonus_noise = torch.empty((rows, vocab), dtype=noise_dtype)
+    if len(generators) != rows:
+        bonus_noise.exponential_()
+    for row, generator in generators.items():
+        bonus_noise[row].exponential_(generator=generator)
     uniforms = torch.rand(rows, num_drafts)
     noise = torch.empty((rows, vocab), dtype=noise_dtype).exponential_()
-    for row, generator in metadata.generators.items():
+    for row, generator in generators.items():
         uniforms[row] = torch.rand(num_drafts, generator=generator)
         noise[row].exponential_(generator=generator)
     top_k, top_p = metadata.top_k, metadata.top_p
@@ -132,16 +141,16 @@ def draw_randomness(
         top_k = torch.full((rows,), vocab, dtype=torch.int32)
     if top_p is None and top_k is not None:
         top_p = torch.ones(rows, dtype=torch.float32)
-    return Randomness(metadata.temperature, top_k, top_p, uniforms, noise)
+    return Randomness(metadata.temperature, top_k, top_p, bonus_noise, uniforms, noise)
 
 
 def rejection_sample(
-    sampler: "Sampler",
     logits: torch.Tensor,
     width: int,
     num_drafts: torch.Tensor,
     drafts: torch.Tensor,
     metadata: "SamplingMetadata",
+    noise_dtype: torch.dtype,
     programs: "Programs",
 ) -> torch.Tensor:
     """Speculative rejection sampling for drafts without probabilities
@@ -150,42 +159,40 @@ def rejection_sample(
     [rows, width] tokens: each row's accepted drafts, then one token (the
     first rejection's replacement, or the bonus), then ``REJECTED``.
 
-    The bonus token is vLLM's sampler's; the rest is ``accept_drafts``. vLLM's
-    rejection sampler computes the same, but its CPU kernels corrupt random
-    sampling in vLLM 0.32 (its ``expand`` replacement copies 8 bytes per
-    element; the random kernel returns an accepted draft with no token after
-    it), so this is plain torch.
+    vLLM's rejection sampler computes the same, but its CPU kernels corrupt
+    random sampling in vLLM 0.32 (its ``expand`` replacement copies 8 bytes
+    per element; the random kernel returns an accepted draft with no token
+    after it), so this is plain torch: the draws (``draw_randomness``), then
+    one program (``accept_drafts``).
     """
     rows = num_drafts.shape[0]
     queries = logits.reshape(rows, width, -1)
-    bonus = sampler(
-        logits=queries[torch.arange(rows), num_drafts], sampling_metadata=metadata
-    ).sampled_token_ids[:, 0]
-    noise_dtype = torch.float64 if sampler.use_fp64_gumbel else torch.float32
     random = draw_randomness(metadata, drafts.shape[1], logits.shape[1], noise_dtype)
-    return programs.accept_drafts(queries, drafts, num_drafts, bonus, random)
+    return programs.accept_drafts(queries, drafts, num_drafts, random)
 
 
 def accept_drafts(
     queries: torch.Tensor,
     drafts: torch.Tensor,
     num_drafts: torch.Tensor,
-    bonus: torch.Tensor,
     random: Randomness | None,
 ) -> torch.Tensor:
     """The device program: ``queries`` [rows, width, vocab] float32 (the
     constrained logits), ``drafts`` [rows, K], ``num_drafts`` [rows] (how
-    many of them the row verifies), ``bonus`` [rows] -> [rows, width] int32.
+    many of them the row verifies) -> [rows, width] int32.
 
     A greedy row accepts a draft while it is the target's argmax and then
     takes the argmax (vLLM's greedy rule, so tokens equal stock vLLM's). A
     random row accepts draft d with probability p(d) under the target's
     temperature, top-k and top-p, and on rejection takes a token drawn from
-    p with d removed, which leaves the output distributed as p. Every query
-    is judged and the rows' counts select the answer (masks, no gathers of a
-    data-dependent size)."""
-    rows, width, _ = queries.shape
+    p with d removed, which leaves the output distributed as p. After every
+    draft the bonus token is sampled as vLLM's sampler samples a token: the
+    argmax, or a draw from p (the Gumbel-max trick with the row's bonus
+    noise). Every query is judged and the rows' counts select the answer
+    (masks, no gathers of a data-dependent size)."""
+    rows, width, vocab = queries.shape
     k = width - 1
+    bonus = _bonus(queries, num_drafts, random)
     out = torch.full((rows, width), REJECTED, dtype=torch.int32)
     if not k:
         out[:, 0] = bonus
@@ -208,10 +215,29 @@ def accept_drafts(
     last = torch.where(
         num_accepted < num_drafts,
         recovered.gather(1, num_accepted.clamp(max=k - 1)[:, None])[:, 0],
-        bonus.long(),
+        bonus,
     )
     out.scatter_(1, num_accepted[:, None], last[:, None].to(torch.int32))
     return out
+
+
+def _bonus(
+    queries: torch.Tensor, num_drafts: torch.Tensor, random: Randomness | None
+) -> torch.Tensor:
+    """[rows] int64: the token after each row's drafts, from the query that
+    follows its last one: the argmax for a greedy row, a draw from the
+    scaled distribution for a random one (vLLM's ``random_sample``)."""
+    vocab = queries.shape[2]
+    index = num_drafts.long()[:, None, None].expand(-1, 1, vocab)
+    query = queries.gather(1, index)[:, 0]  # [rows, vocab]
+    greedy = query.argmax(dim=-1)
+    if random is None:
+        return greedy
+    probs = sampling_scaled(
+        query, 1, random.temperature, random.top_k, random.top_p
+    ).softmax(dim=-1, dtype=torch.float32)
+    drawn = (probs.to(random.bonus_noise.dtype) / random.bonus_noise).argmax(dim=-1)
+    return torch.where(random.temperature < GREEDY_TEMPERATURE, greedy, drawn)
 
 
 def _random_rule(

@@ -186,12 +186,12 @@ def verify_on_device(
             raw_logits, plan, tokens, metadata, programs
         )
         sampled = rejection_sample(
-            sampler,
             logits,
             plan.width,
             num_drafts,
             tokens.drafts_of(plan.slots),
             metadata,
+            torch.float64 if sampler.use_fp64_gumbel else torch.float32,
             programs,
         )
         accepted = (sampled != REJECTED).sum(dim=1)
