@@ -3,6 +3,7 @@ greedy rows keep vLLM's rule, random rows leave each output token distributed
 as the target's, and a seed reproduces."""
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,9 +12,12 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_neuron_sched.runtime import make_device
 from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.spec.constraints import plan_bad_words
 from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
+from vllm_neuron_sched.worker.spec.verify import VerifyPlan
+from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 VOCAB = 6
 WIDTH = 3  # 1 + K, K = 2
@@ -113,25 +117,16 @@ def test_a_seed_reproduces() -> None:
     assert run() == run()
 
 
-def test_penalties_count_each_querys_drafts() -> None:
-    """Query j of a verify row is penalized for the row's output so far and
-    its first j drafts (read from the device history), exactly as vLLM's
-    ``apply_penalties`` does for that output; the prompt only counts for the
-    repetition penalty."""
-    from dataclasses import replace
+def _verify_rows(
+    histories: dict[int, tuple[list[int], list[int]]],
+    drafts: dict[int, list[int]],
+    **plan: Any,
+) -> tuple[DeviceTokens, VerifyPlan]:
+    """A token table whose slots hold these (prompt, output) histories and
+    two drafts each, and a verify step's plan of those slots (``plan``: its
+    other fields)."""
 
-    from vllm.model_executor.layers.utils import apply_penalties
-
-    from vllm_neuron_sched.runtime import make_device
-    from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
-    from vllm_neuron_sched.worker.spec.verify import VerifyPlan
-    from vllm_neuron_sched.worker.token_table import DeviceTokens
-
-    vocab, width = 8, WIDTH
     tokens = DeviceTokens(4, make_device("inline"), history_len=16, num_drafts=2)
-    # Slot 1: prompt [1, 2], output [3, 3]; slot 2: prompt [4], output [5].
-    histories = {1: ([1, 2], [3, 3]), 2: ([4], [5])}
-    drafts = {1: [3, 6], 2: [0, 5]}
     for slot, (prompt, output) in histories.items():
         known = prompt + output
         slots = torch.tensor([slot])
@@ -142,16 +137,36 @@ def test_penalties_count_each_querys_drafts() -> None:
             torch.tensor([len(known)]),
         )
         tokens.set_drafts(slots, torch.tensor([drafts[slot]]), torch.tensor([2]))
-    plan = VerifyPlan(
-        width=width,
-        num_rows=2,
-        num_rows_padded=2,
-        slots=torch.tensor([1, 2]),
-        scheduled_drafts=torch.tensor([2, 2]),
-        prompt_lens=torch.tensor([2, 1]),
+    rows = len(histories)
+    return tokens, VerifyPlan(
+        width=WIDTH,
+        num_rows=rows,
+        num_rows_padded=rows,
+        slots=torch.tensor(list(histories)),
+        scheduled_drafts=torch.full((rows,), 2),
+        prompt_lens=torch.tensor([len(prompt) for prompt, _ in histories.values()]),
         groups=[],
         tables={},
+        **plan,
     )
+
+
+def test_penalties_count_each_querys_drafts() -> None:
+    """Query j of a verify row is penalized for the row's output so far and
+    its first j drafts (read from the device history), exactly as vLLM's
+    ``apply_penalties`` does for that output; the prompt only counts for the
+    repetition penalty."""
+    from dataclasses import replace
+
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
+
+    vocab, width = 8, WIDTH
+    # Slot 1: prompt [1, 2], output [3, 3]; slot 2: prompt [4], output [5].
+    histories = {1: ([1, 2], [3, 3]), 2: ([4], [5])}
+    drafts = {1: [3, 6], 2: [0, 5]}
+    tokens, plan = _verify_rows(histories, drafts)
     metadata = replace(
         _metadata([0.0, 0.0]),
         no_penalties=False,
@@ -185,26 +200,12 @@ def test_bad_words_mask_each_query_as_vllm_does() -> None:
     two words ending in the same token each judged alone."""
     from vllm.v1.sample.ops.bad_words import apply_bad_words
 
-    from vllm_neuron_sched.runtime import make_device
     from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
-    from vllm_neuron_sched.worker.spec.verify import VerifyPlan
-    from vllm_neuron_sched.worker.token_table import DeviceTokens
 
     vocab, width = 8, WIDTH
-    tokens = DeviceTokens(4, make_device("inline"), history_len=16, num_drafts=2)
     # Slot 1: prompt [1, 2], output [3, 4]; slot 3: prompt [5], output [6].
     histories = {1: ([1, 2], [3, 4]), 3: ([5], [6])}
     drafts = {1: [5, 6], 3: [2, 3]}
-    for slot, (prompt, output) in histories.items():
-        known = prompt + output
-        slots = torch.tensor([slot])
-        tokens.accept(
-            slots,
-            torch.tensor([0]),
-            torch.tensor([known], dtype=torch.int32),
-            torch.tensor([len(known)]),
-        )
-        tokens.set_drafts(slots, torch.tensor([drafts[slot]]), torch.tensor([2]))
     words = {
         # Pasts: [3, 4], [3, 4, 5], [3, 4, 5, 6]. [7] everywhere; [4, 5, 0]
         # at query 1; [2, 3, 4, 1] never (its 2 is the prompt's); [3, 4, 6]
@@ -214,17 +215,7 @@ def test_bad_words_mask_each_query_as_vllm_does() -> None:
         # (its 5 is the prompt's); [6, 2, 3, 1] at query 2.
         1: [[6, 2], [5, 6, 3], [6, 2, 3, 1]],
     }
-    plan = VerifyPlan(
-        width=width,
-        num_rows=2,
-        num_rows_padded=2,
-        slots=torch.tensor([1, 3]),
-        scheduled_drafts=torch.tensor([2, 2]),
-        prompt_lens=torch.tensor([2, 1]),
-        groups=[],
-        tables={},
-        bad_words=plan_bad_words(2, words),
-    )
+    tokens, plan = _verify_rows(histories, drafts, bad_words=plan_bad_words(2, words))
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(2))
     metadata = replace(_metadata([0.0, 0.0]), bad_words_token_ids=words)
     constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
