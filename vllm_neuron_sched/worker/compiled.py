@@ -132,15 +132,18 @@ def declared_shape(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
         yield
         return
     with _only_compiled_graphs(
-        f"{type(model).__name__} ran at {num_tokens} tokens, a shape not "
-        f"compiled at start-up (declared: {list(sizes)})"
+        lambda: (
+            f"{type(model).__name__} ran at {num_tokens} tokens, a shape "
+            f"not compiled at start-up (declared: {list(sizes)})"
+        )
     ):
         yield
 
 
 @contextmanager
-def _only_compiled_graphs(what: str) -> Iterator[None]:
-    """Torch's ``fail_on_recompile`` stance, its error ours, saying ``what``."""
+def _only_compiled_graphs(what: Callable[[], str]) -> Iterator[None]:
+    """Torch's ``fail_on_recompile`` stance, its error ours, saying ``what()``
+    (made only then: the steps' hot path formats nothing)."""
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             yield
@@ -149,7 +152,7 @@ def _only_compiled_graphs(what: str) -> Iterator[None]:
             error
         ):
             raise
-        raise ShapeNotCompiledError(f"compiled device: {what}") from error
+        raise ShapeNotCompiledError(f"compiled device: {what()}") from error
 
 
 class CompiledProgram:
@@ -189,8 +192,10 @@ class CompiledProgram:
             if not self.declared:
                 return _cut_rows(self._compiled(*padded), rows)
             with _only_compiled_graphs(
-                f"program {self.name} at {bucket} rows, arguments "
-                f"{_signature(padded)}, not compiled at start-up"
+                lambda: (
+                    f"program {self.name} at {bucket} rows, arguments "
+                    f"{_signature(padded)}, not compiled at start-up"
+                )
             ):
                 return _cut_rows(self._compiled(*padded), rows)
 
