@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,16 +95,11 @@ def warm_up(
     # earlier engine in this process compiled included: fewer are compiled
     # where dynamo reuses them).
     on_device(_allow_graphs, graphs_before + len(sizes) * len(models))
-    for size in sizes:
-        on_device(forward_at, size)
-    compiled = forward_graphs(models) - graphs_before
-    for size in sizes:
-        on_device(forward_at, size)
-    if more := forward_graphs(models) - graphs_before - compiled:
-        raise RuntimeError(
-            f"{what}: a second pass over the declared shapes compiled {more} "
-            "more graph(s): a guard depends on something other than the shape"
-        )
+    compiled = _compile_twice(
+        partial(_run_each, on_device, forward_at, [(size,) for size in sizes]),
+        lambda: forward_graphs(models),
+        what,
+    )
     for model in models:
         model.declared_shapes = sizes
     logger.info(
@@ -114,6 +110,31 @@ def warm_up(
         list(sizes),
         time.perf_counter() - start,
     )
+
+
+def _compile_twice(
+    every_shape: Callable[[], None], graphs: Callable[[], int], what: str
+) -> int:
+    """Runs every declared shape twice: the first pass compiles a graph per
+    shape (or reuses one an earlier engine in this process compiled), the
+    second must compile nothing. -> the graphs the first pass compiled."""
+    before = graphs()
+    every_shape()
+    compiled = graphs() - before
+    every_shape()
+    if more := graphs() - before - compiled:
+        raise RuntimeError(
+            f"{what}: a second pass over the declared shapes compiled {more} "
+            "more graph(s): a guard depends on something other than the shape"
+        )
+    return compiled
+
+
+def _run_each(
+    on_device: Callable[..., Any], fn: Callable[..., Any], calls: list[tuple[Any, ...]]
+) -> None:
+    for args in calls:
+        on_device(fn, *args)
 
 
 def _allow_graphs(num_graphs: int) -> None:
@@ -250,34 +271,26 @@ def compile_programs(
     examples = {p.name: list(p.examples(dims)) for p in PROGRAMS if p.declared}
     declared = [p for p in PROGRAMS if examples.get(p.name)]
     compiled = {p.name: CompiledProgram(p, dims.rows, **options) for p in declared}
-    before = {name: program.graphs() for name, program in compiled.items()}
+    # Dynamo's limit counts an earlier engine's graphs too.
     on_device(
         _allow_graphs,
-        max(len(examples[name]) + before[name] for name in compiled),
+        max(len(examples[name]) + p.graphs() for name, p in compiled.items()),
     )
-    start = time.perf_counter()
+    start, new_graphs = time.perf_counter(), 0
     for name, program in compiled.items():
         program.num_shapes = len(examples[name])
-        for args in examples[name]:
-            on_device(program, *args)
-    after = {name: program.graphs() for name, program in compiled.items()}
-    for name, program in compiled.items():
-        for args in examples[name]:
-            on_device(program, *args)
-        if more := program.graphs() - after[name]:
-            raise RuntimeError(
-                f"{what}: a second pass over {name}'s declared shapes compiled "
-                f"{more} more graph(s): a guard depends on something other "
-                "than the shape"
-            )
-    for program in compiled.values():
+        new_graphs += _compile_twice(
+            partial(_run_each, on_device, program, examples[name]),
+            program.graphs,
+            f"{what}: {name}",
+        )
         program.declared = True
     logger.info(
         "%s: %d declared shapes, %d graph(s) compiled in %.1f s (the rest "
         "reused from an earlier engine in this process): %s; eager: %s",
         what,
         sum(map(len, examples.values())),
-        sum(after[name] - before[name] for name in compiled),
+        new_graphs,
         time.perf_counter() - start,
         ", ".join(f"{name} {len(examples[name])}" for name in compiled),
         ", ".join(p.name for p in PROGRAMS if p.name not in compiled) or "none",

@@ -90,6 +90,7 @@ from vllm_neuron_sched.worker.sampling_state import SamplingState
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
 from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
+from vllm_neuron_sched.worker.spec.rejection import noise_dtype
 from vllm_neuron_sched.worker.spec.steps import SPECULATIVE_STEPS
 from vllm_neuron_sched.worker.steps import PLAIN_STEPS, Step, StepContext
 from vllm_neuron_sched.worker.timeline import StepTimeline
@@ -361,9 +362,7 @@ class NeuronSchedModelRunner:
             num_drafts=spec.num_tokens,
             vocab=self.model_config.get_vocab_size(),
             history_len=self.ctx.token_table.history_len,
-            noise_dtype=torch.float64
-            if self.ctx.sampler.use_fp64_gumbel
-            else torch.float32,
+            noise_dtype=noise_dtype(self.ctx.sampler),
             # No n-gram proposer: its program has no declared shape.
             min_n=spec.min_n if is_ngram else 0,
             max_n=spec.max_n if is_ngram else 0,
@@ -589,16 +588,16 @@ class NeuronSchedModelRunner:
         """The forward's declared token counts and graphs, and each compiled
         program's graphs (dynamo's cache entries: a recompile adds one)."""
         models = self._models()
-        programs = vars(self.ctx.programs).values()
+        compiled = [
+            p
+            for p in vars(self.ctx.programs).values()
+            if isinstance(p, CompiledProgram)
+        ]
         return {
             "declared": getattr(models[0], "declared_shapes", None),
             "forward_graphs": forward_graphs(models),
-            "program_shapes": {
-                p.name: p.num_shapes for p in programs if isinstance(p, CompiledProgram)
-            },
-            "program_graphs": {
-                p.name: p.graphs() for p in programs if isinstance(p, CompiledProgram)
-            },
+            "program_shapes": {p.name: p.num_shapes for p in compiled},
+            "program_graphs": {p.name: p.graphs() for p in compiled},
         }
 
     def _models(self) -> list[torch.nn.Module]:

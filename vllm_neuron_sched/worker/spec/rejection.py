@@ -96,6 +96,11 @@ def sampling_scaled(
     )
 
 
+def noise_dtype(sampler: "Sampler") -> torch.dtype:
+    """The Gumbel noise's dtype, as vLLM's sampler draws it."""
+    return torch.float64 if sampler.use_fp64_gumbel else torch.float32
+
+
 @dataclass(frozen=True)
 class Randomness:
     """What a verify step's random rows draw: one exponential per vocabulary
@@ -190,7 +195,7 @@ def accept_drafts(
     argmax, or a draw from p (the Gumbel-max trick with the row's bonus
     noise). Every query is judged and the rows' counts select the answer
     (masks, no gathers of a data-dependent size)."""
-    rows, width, vocab = queries.shape
+    rows, width, _ = queries.shape
     k = width - 1
     bonus = _bonus(queries, num_drafts, random)
     out = torch.full((rows, width), REJECTED, dtype=torch.int32)

@@ -39,11 +39,15 @@ from vllm_neuron_sched.worker.spec.grammar import (
 from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens, Proposer
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
+    noise_dtype,
     rejection_sample,
     verify_logprobs,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -191,7 +195,7 @@ def verify_on_device(
             num_drafts,
             tokens.drafts_of(plan.slots),
             metadata,
-            torch.float64 if sampler.use_fp64_gumbel else torch.float32,
+            noise_dtype(sampler),
             programs,
         )
         accepted = (sampled != REJECTED).sum(dim=1)
@@ -329,26 +333,37 @@ def _min_tokens_rows(
 ) -> list[MinTokensRow]:
     """The rows whose request sets min_tokens: the verify step masks the
     stops per query."""
-    rows = []
-    for row, req_id in enumerate(req_ids):
-        params = host.requests[req_id].sampling_params
-        if params is not None and params.min_tokens:
-            stops = tuple(sorted(params.all_stop_token_ids))
-            structured = params.structured_outputs is not None
-            rows.append((row, params.min_tokens, stops, structured))
-    return rows
+    return [
+        (
+            row,
+            params.min_tokens,
+            tuple(sorted(params.all_stop_token_ids)),
+            params.structured_outputs is not None,
+        )
+        for row, params in _rows_params(host, req_ids)
+        if params.min_tokens
+    ]
 
 
 def _bad_words_rows(
     host: "HostRequestState", req_ids: list[str]
 ) -> dict[int, list[list[int]]]:
     """The rows' tokenized bad words: the verify step masks them per query."""
-    rows = {}
+    return {
+        row: params.bad_words_token_ids
+        for row, params in _rows_params(host, req_ids)
+        if params.bad_words_token_ids
+    }
+
+
+def _rows_params(
+    host: "HostRequestState", req_ids: list[str]
+) -> "Iterator[tuple[int, SamplingParams]]":
+    """Each row's sampling parameters (rows without any left out)."""
     for row, req_id in enumerate(req_ids):
         params = host.requests[req_id].sampling_params
-        if params is not None and params.bad_words_token_ids:
-            rows[row] = params.bad_words_token_ids
-    return rows
+        if params is not None:
+            yield row, params
 
 
 def _verify_forward_on_device(
