@@ -62,9 +62,11 @@ def test_compiled_serves_stock_tokens_without_compiling(
     assert declared is not None and {1, 2, 4, 16, 32} <= set(declared)
     # Dynamo's graphs, an earlier engine's in this process included.
     assert before["forward_graphs"] >= len(declared)
-    # Per decode bucket (1, 2, 4): widths 1 and 1 + K, and for rejection
-    # sampling greedy, random and truncated rows.
+    # Per decode bucket (1, 2, 4): for sampling greedy rows and random ones
+    # with or without top-k and top-p, with or without logprobs; widths 1
+    # and 1 + K, and for rejection sampling greedy, random and truncated rows.
     assert before["program_shapes"] == {
+        "sample_rows": 30,
         "accept_drafts": 18,
         "propose_ngram_drafts": 3,
         "mask_min_tokens": 6,
@@ -74,5 +76,10 @@ def test_compiled_serves_stock_tokens_without_compiling(
         assert before["program_graphs"][name] >= shapes
     ours = generate(compiled_llm, mixed_prompts(), _params())
     (after,) = compiled_llm.collective_rpc("get_compiled_shapes")
+    calls = after.pop("program_calls")
+    before.pop("program_calls")
     assert after == before  # nothing compiled while serving
+    # Prompts sample in the program (the requests without penalties), verify
+    # steps in rejection sampling's.
+    assert calls["sample_rows"] > 0 and calls["accept_drafts"] > 0
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

@@ -232,12 +232,19 @@ def test_engine_settings_in_pairs_equal_stock(
         ours = [r for _ in range(ROUNDS) for r in generate(llm, prompts, params)]
         # Compiled: nothing compiled while serving (the stance would have
         # failed the step, and the graphs would have grown).
-        assert llm.collective_rpc("get_compiled_shapes") == [graphs]
+        (after,) = llm.collective_rpc("get_compiled_shapes")
+        calls = after.pop("program_calls", {})
+        graphs.pop("program_calls", None)
+        assert after == graphs
     if device == "compiled":
         assert graphs["declared"] and graphs["forward_graphs"] >= len(
             graphs["declared"]
         )
-        assert bool(graphs["program_graphs"]) == (mode == "async_ngram")
+        verify = {"accept_drafts", "propose_ngram_drafts"}
+        assert (verify <= set(graphs["program_graphs"])) == (mode == "async_ngram")
+        # Steps sample in the program, except where the user's processors
+        # are (vLLM's sampler runs them).
+        assert (calls["sample_rows"] > 0) == (not PROCESSORS[processors])
     theirs = stock(model, logprobs_mode, dtype, processors)
     for i, (record, expected) in enumerate(zip(ours, theirs, strict=True)):
         if dtype == "bfloat16":

@@ -190,6 +190,7 @@ class CompiledProgram:
         self._compiled = torch.compile(program.function, **options)
         self.declared = False
         self.num_shapes = 0  # declared (``compile_programs``)
+        self.calls = 0  # served since the warm-up
 
     def graphs(self) -> int:
         """Dynamo's cache entries for the program (an earlier engine's in
@@ -212,6 +213,7 @@ class CompiledProgram:
             padded = [_pad_rows(arg, bucket) for arg in args]
             if not self.declared:
                 return _cut_rows(self._compiled(*padded), rows)
+            self.calls += 1
             with _only_compiled_graphs(
                 lambda: (
                     f"program {self.name} at {bucket} rows, arguments "
@@ -242,7 +244,7 @@ def _pad_rows(value: Any, rows: int) -> Any:
 def _cut_rows(value: Any, rows: int) -> Any:
     if isinstance(value, tuple):
         return tuple(_cut_rows(item, rows) for item in value)
-    return value[:rows]
+    return None if value is None else value[:rows]
 
 
 def _signature(args: list[Any]) -> str:

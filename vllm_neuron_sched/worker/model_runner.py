@@ -86,11 +86,11 @@ from vllm_neuron_sched.worker.pipeline import (
 )
 from vllm_neuron_sched.worker.programs import Dimensions
 from vllm_neuron_sched.worker.results import DraftedOutput
+from vllm_neuron_sched.worker.sampling import noise_dtype
 from vllm_neuron_sched.worker.sampling_state import SamplingState
 from vllm_neuron_sched.worker.spec.config import DRAFT_MODEL, Speculation
 from vllm_neuron_sched.worker.spec.draft_model import DraftModel
 from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
-from vllm_neuron_sched.worker.spec.rejection import noise_dtype
 from vllm_neuron_sched.worker.spec.steps import SPECULATIVE_STEPS
 from vllm_neuron_sched.worker.steps import PLAIN_STEPS, Step, StepContext
 from vllm_neuron_sched.worker.timeline import StepTimeline
@@ -344,8 +344,7 @@ class NeuronSchedModelRunner:
                 on_device,
                 f"{self.device.label}: forward",
             )
-            if spec is not None:  # the programs around it are the verify step's
-                self._compile_programs(spec, on_device)
+            self._compile_programs(spec, on_device)
             return
         if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
             return
@@ -353,21 +352,28 @@ class NeuronSchedModelRunner:
         self.device.enqueue(self._dummy_forward, self.max_num_tokens).result()
         logger.info("Warming up done.")
 
-    def _compile_programs(self, spec: Speculation, on_device: Any) -> None:
-        """The verify step's programs (and the n-gram proposal) compiled per
-        decode bucket, in place of the eager ones."""
+    def _compile_programs(self, spec: Speculation | None, on_device: Any) -> None:
+        """The programs around the forward (sampling; with speculation the
+        verify step's and the n-gram proposal) compiled per decode bucket, in
+        place of the eager ones."""
         is_ngram = isinstance(self.ctx.proposer, NgramProposer)
         dims = Dimensions(
             rows=self.ctx.buckets.decode,
-            num_drafts=spec.num_tokens,
             vocab=self.model_config.get_vocab_size(),
             history_len=self.ctx.token_table.history_len,
             noise_dtype=noise_dtype(self.ctx.sampler),
-            # No n-gram proposer: its program has no declared shape.
-            min_n=spec.min_n if is_ngram else 0,
-            max_n=spec.max_n if is_ngram else 0,
-            max_model_len=spec.max_model_len,
+            logprobs_mode=self.ctx.sampler.logprobs_mode,
+            logits_dtype=self.model_config.dtype,
         )
+        if spec is not None:  # no verify step without: no shape declared
+            dims = replace(
+                dims,
+                num_drafts=spec.num_tokens,
+                # No n-gram proposer: its program has no declared shape.
+                min_n=spec.min_n if is_ngram else 0,
+                max_n=spec.max_n if is_ngram else 0,
+                max_model_len=spec.max_model_len,
+            )
         programs = compile_programs(
             dims,
             compile_options(self.vllm_config),
@@ -586,7 +592,8 @@ class NeuronSchedModelRunner:
 
     def get_compiled_shapes(self) -> dict[str, Any]:
         """The forward's declared token counts and graphs, and each compiled
-        program's graphs (dynamo's cache entries: a recompile adds one)."""
+        program's graphs (dynamo's cache entries: a recompile adds one) and
+        the calls it has served since start-up."""
         models = self._models()
         compiled = [
             p
@@ -598,6 +605,7 @@ class NeuronSchedModelRunner:
             "forward_graphs": forward_graphs(models),
             "program_shapes": {p.name: p.num_shapes for p in compiled},
             "program_graphs": {p.name: p.graphs() for p in compiled},
+            "program_calls": {p.name: p.calls for p in compiled},
         }
 
     def _models(self) -> list[torch.nn.Module]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vllm_neuron_sched.worker.sampling import Draws, sample_rows
 from vllm_neuron_sched.worker.spec.constraints import (
     mask_bad_words,
     mask_min_tokens,
@@ -31,10 +32,12 @@ class Dimensions:
     """What the declared shapes are made of, fixed at start-up."""
 
     rows: tuple[int, ...]  # the decode buckets
-    num_drafts: int  # K
     vocab: int
     history_len: int  # the token table's width
     noise_dtype: torch.dtype  # the sampler's Gumbel noise (fp64 or fp32)
+    logprobs_mode: str = "raw_logprobs"  # vLLM's, the engine's
+    logits_dtype: torch.dtype = torch.float32  # the model's
+    num_drafts: int = 0  # K; 0: no speculative decoding
     min_n: int = 0  # the n-gram proposer's; 0: none
     max_n: int = 0
     max_model_len: int = 1
@@ -59,6 +62,9 @@ class Program:
 
 
 def _verify_shapes(dims: Dimensions) -> Iterator[tuple[int, int]]:
+    """None without speculative decoding (no verify step)."""
+    if not dims.num_drafts:
+        return
     for rows in dims.rows:
         for width in dims.widths:
             yield rows, width
@@ -75,6 +81,33 @@ def _history(rows: int, width: int, dims: Dimensions) -> torch.Tensor:
 
 def _rows_of(rows: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.zeros(rows, dtype=dtype)
+
+
+def _sample_rows_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """Greedy, then random with top-k and top-p each set or not (as vLLM's
+    batch has them: None when no row uses one, which keeps stock's tokens
+    exact), drawing seeds or fp64 noise as the sampler is configured; each
+    with logprobs' scores or without."""
+    fp64 = dims.noise_dtype == torch.float64
+    for rows in dims.rows:
+        logits = torch.zeros(rows, dims.vocab, dtype=dims.logits_dtype)
+        variants: list[Draws | None] = [None]
+        for top_k in (None, torch.full((rows,), dims.vocab, dtype=torch.int32)):
+            for top_p in (None, torch.ones(rows)):
+                variants.append(
+                    Draws(
+                        _rows_of(rows, torch.float32),
+                        top_k,
+                        top_p,
+                        None if fp64 else _rows_of(rows),
+                        torch.ones(rows, dims.vocab, dtype=dims.noise_dtype)
+                        if fp64
+                        else None,
+                    )
+                )
+        for draws in variants:
+            for scores_mode in (None, dims.logprobs_mode):
+                yield logits, draws, scores_mode
 
 
 def _accept_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
@@ -156,6 +189,7 @@ def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 
 PROGRAMS: tuple[Program, ...] = (
+    Program("sample_rows", sample_rows, _sample_rows_examples),
     Program("accept_drafts", accept_drafts, _accept_drafts_examples),
     Program("propose_ngram_drafts", propose_ngram_drafts, _ngram_examples),
     Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
@@ -169,6 +203,7 @@ class Programs:
     """The programs a step runs, by name: the functions themselves (eager),
     or each compiled per declared shape (``compiled.compile_programs``)."""
 
+    sample_rows: Callable[..., Any] = sample_rows
     accept_drafts: Callable[..., Any] = accept_drafts
     propose_ngram_drafts: Callable[..., Any] = propose_ngram_drafts
     mask_min_tokens: Callable[..., Any] = mask_min_tokens

@@ -1,11 +1,14 @@
 """On-device sampling and what the host hands it.
 
-The sampler runs on the device (vLLM's ``Sampler``: penalties, top-k/p, min-p,
-seeds, logprobs) with the device's logits processors and output histories
-(``sampling_state.py``). On a threaded device the rest of what it reads is a
-snapshot taken at enqueue, because the main thread builds the next step while
-this one samples; an inline device samples at enqueue and reads the batch as
-it is.
+A step's rows sample on the device with the device's logits processors and
+output histories (``sampling_state.py``). A step that needs only temperature,
+top-k, top-p and seeds samples in one program of fixed shape
+(``sample_rows``, after its per-request draws, ``draw_sampling``); one that
+needs more (penalties, logprobs, bad words, allowed tokens, a logits processor
+with work to do) runs vLLM's ``Sampler``. On a threaded device the rest of
+what it reads is a snapshot taken at enqueue, because the main thread builds
+the next step while this one samples; an inline device samples at enqueue and
+reads the batch as it is.
 """
 
 from collections.abc import Sequence
@@ -15,8 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import vllm._custom_ops  # noqa: F401  (loads the CPU sampling kernels)
+from torch._library.simple_registry import singleton as _op_registry
 from vllm.logger import init_logger
 from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from vllm_neuron_sched.worker.results import Sampled
 
@@ -24,11 +35,16 @@ logger = init_logger(__name__)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.token_table import DeviceTokens
+
+# A row whose temperature is below this samples greedily (vLLM's threshold).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def sampling_inputs(
@@ -75,6 +91,7 @@ def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadat
 
 def sample_on_device(
     sampler: "Sampler",
+    programs: "Programs",
     tokens: "DeviceTokens",
     state: "SamplingState",
     logits: torch.Tensor,
@@ -96,23 +113,218 @@ def sample_on_device(
         if grammar is not None:
             rows = SimpleNamespace(req_ids=grammar.req_ids)
             apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
-        # A prompt chunk that is not the last samples nothing: its seeded
-        # generator must not advance, so seeds reproduce however it is chunked.
-        kept_states = {
-            row: metadata.generators[row].get_state()
-            for row in np.flatnonzero(~is_sampled).tolist()
-            if row in metadata.generators
-        }
-        output = sampler(logits=logits, sampling_metadata=metadata)
-        sampled = output.sampled_token_ids[:, 0].to(torch.int32)
-        for row, generator_state in kept_states.items():
-            metadata.generators[row].set_state(generator_state)
+        if in_sampling_program(metadata):
+            sampled, logprobs = sample_in_program(
+                sampler, programs, logits, metadata, is_sampled
+            )
+        else:
+            sampled, logprobs = _vllm_sample(sampler, logits, metadata, is_sampled)
         tokens.write(write_slots, sampled)
         state.record(
             req_ids,
             [[t] if s else [] for t, s in zip(sampled.tolist(), is_sampled.tolist())],
         )
-    return Sampled(sampled, output.logprobs_tensors)
+    return Sampled(sampled, logprobs)
+
+
+def sample_in_program(
+    sampler: "Sampler",
+    programs: "Programs",
+    logits: torch.Tensor,
+    metadata: "SamplingMetadata",
+    is_sampled: np.ndarray,
+) -> tuple[torch.Tensor, LogprobsTensors | None]:
+    """The draws, the program, then the logprobs' top-n (the request's n:
+    vLLM's gather, on the scores the program gives)."""
+    num_logprobs = metadata.max_num_logprobs
+    draws = draw_sampling(metadata, is_sampled, logits.shape[1], noise_dtype(sampler))
+    scores_mode = None if num_logprobs is None else sampler.logprobs_mode
+    sampled, scores = programs.sample_rows(logits, draws, scores_mode)
+    logprobs = None
+    if scores is not None:
+        assert num_logprobs is not None
+        logprobs = sampler.gather_logprobs(scores, num_logprobs, sampled)
+    return sampled.to(torch.int32), logprobs
+
+
+def _vllm_sample(
+    sampler: "Sampler",
+    logits: torch.Tensor,
+    metadata: "SamplingMetadata",
+    is_sampled: np.ndarray,
+) -> tuple[torch.Tensor, LogprobsTensors | None]:
+    """vLLM's sampler, for what ``sample_rows`` does not do."""
+    # A prompt chunk that is not the last samples nothing: its seeded
+    # generator must not advance, so seeds reproduce however it is chunked.
+    kept_states = {
+        row: metadata.generators[row].get_state()
+        for row in np.flatnonzero(~is_sampled).tolist()
+        if row in metadata.generators
+    }
+    output = sampler(logits=logits, sampling_metadata=metadata)
+    for row, generator_state in kept_states.items():
+        metadata.generators[row].set_state(generator_state)
+    return output.sampled_token_ids[:, 0].to(torch.int32), output.logprobs_tensors
+
+
+def in_sampling_program(metadata: "SamplingMetadata") -> bool:
+    """Whether a step's rows need nothing of vLLM's sampler beyond
+    temperature, top-k, top-p, seeds and top-n logprobs (``sample_rows``):
+    no penalties, bad words, allowed tokens, whole-vocabulary logprobs or
+    logprobs of given tokens, and no logits processor with a row to act on
+    (vLLM's built-in ones report theirs; the user's may act on any step, so
+    vLLM's sampler runs them)."""
+    return (
+        metadata.max_num_logprobs != -1
+        and not metadata.logprob_token_ids
+        and metadata.no_penalties
+        and metadata.allowed_token_ids_mask is None
+        and not metadata.bad_words_token_ids
+        and all(map(_idle, metadata.logitsprocs.all))
+    )
+
+
+def _idle(processor: "LogitsProcessor") -> bool:
+    if isinstance(processor, MinPLogitsProcessor):
+        return not processor.min_p_count
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return not processor.biases
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return not processor.min_toks
+    return False
+
+
+@dataclass(frozen=True)
+class Draws:
+    """What a step's random rows draw before ``sample_rows``, as vLLM's CPU
+    sampler draws them: a seed per row for its Gumbel-max kernel, or with
+    fp64 Gumbel noise (``use_fp64_gumbel``) an exponential per vocabulary
+    entry; a seeded row's from its own generator."""
+
+    temperature: torch.Tensor  # [rows] float32
+    top_k: torch.Tensor | None  # [rows] int32
+    top_p: torch.Tensor | None  # [rows] float32
+    seeds: torch.Tensor | None  # [rows] int64
+    noise: torch.Tensor | None  # [rows, vocab] float64
+
+
+def draw_sampling(
+    metadata: "SamplingMetadata",
+    is_sampled: np.ndarray,
+    vocab: int,
+    noise_dtype: torch.dtype,
+) -> Draws | None:
+    """The per-request step before ``sample_rows`` (its generators are host
+    objects). None when every row is greedy. A row that samples nothing (a
+    prompt chunk that is not the last) draws nothing from its generator, so
+    seeds reproduce however a prompt is chunked."""
+    if metadata.all_greedy:
+        return None
+    assert metadata.temperature is not None
+    rows = metadata.temperature.shape[0]
+    generators = [
+        (row, generator)
+        for row, generator in metadata.generators.items()
+        if is_sampled[row]
+    ]
+    seeds = noise = None
+    if noise_dtype == torch.float64:
+        noise = torch.empty((rows, vocab), dtype=noise_dtype).exponential_()
+        for row, generator in generators:
+            noise[row].exponential_(generator=generator)
+    else:
+        seeds = torch.randint(0, 2**31, (rows,), dtype=torch.long)
+        for row, generator in generators:
+            seeds[row] = torch.randint(
+                0, 2**31, (1,), generator=generator, dtype=torch.long
+            )[0]
+    return Draws(metadata.temperature, metadata.top_k, metadata.top_p, seeds, noise)
+
+
+def sample_rows(
+    logits: torch.Tensor, draws: Draws | None, scores_mode: str | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The device program: ``logits`` [rows, vocab] -> each row's token
+    [rows] int64 as vLLM's CPU sampler takes it (the argmax for a greedy row;
+    for a random one Gumbel-max over the logits after temperature, top-k and
+    top-p), with vLLM's own kernels, so tokens and seeds equal stock's; and
+    with a logprobs mode (vLLM's ``logprobs_mode``) the [rows, vocab] float32
+    scores its sampler reads logprobs from in that mode."""
+    raw, logits = logits, logits.float()
+    greedy = torch.ops._C.greedy_argmax(logits)
+    if draws is None:
+        return greedy, _scores(raw, logits, scores_mode)
+    scaled = sampling_scaled(logits, 1, draws.temperature, draws.top_k, draws.top_p)
+    if draws.seeds is not None:
+        drawn = torch.ops._C.fused_gumbel_argmax(scaled, draws.seeds)
+    else:
+        assert draws.noise is not None
+        probs = scaled.softmax(dim=-1, dtype=torch.float32)
+        drawn = (draws.noise.reciprocal() * probs).argmax(dim=-1)
+    tokens = torch.where(draws.temperature < GREEDY_TEMPERATURE, greedy, drawn)
+    return tokens, _scores(raw, scaled, scores_mode)
+
+
+def _scores(
+    raw: torch.Tensor, processed: torch.Tensor, mode: str | None
+) -> torch.Tensor | None:
+    """The raw modes read the logits as the forward gave them; the processed
+    ones what the rows sample from (greedy rows included, at temperature 1,
+    unless every row is greedy)."""
+    if mode is None:
+        return None
+    source = processed if mode.startswith("processed") else raw.float()
+    if mode.endswith("logprobs"):
+        return source.log_softmax(dim=-1, dtype=torch.float32)
+    return source
+
+
+def sampling_scaled(
+    logits: torch.Tensor,
+    queries_per_row: int,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """``logits`` (a new tensor), ``queries_per_row`` consecutive ones per
+    batch row, divided by their rows' temperatures (1 for greedy rows) and
+    masked to their top-k and top-p: the distribution a random row samples
+    from, and vLLM's processed logits. The settings hold one entry per batch
+    row. vLLM's sort-based masks, which keep the shape static (its
+    top-k-only path reads the largest k back to the host, and masks the
+    same tokens)."""
+
+    def per_query(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.repeat_interleave(queries_per_row)
+
+    temperature = temperature.repeat_interleave(queries_per_row)
+    temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
+    return apply_top_k_top_p_pytorch(
+        logits / temperature[:, None].float(),
+        per_query(top_k),
+        per_query(top_p),
+        allow_cpu_sync=False,
+    )
+
+
+def noise_dtype(sampler: "Sampler") -> torch.dtype:
+    """The Gumbel noise's dtype, as vLLM's sampler draws it."""
+    return torch.float64 if sampler.use_fp64_gumbel else torch.float32
+
+
+def _register_fake_kernels() -> None:
+    """vLLM's CPU sampling kernels have no fake implementation, which a
+    compiler needs to trace a program that calls them (the shapes out)."""
+    for name in ("_C::greedy_argmax", "_C::fused_gumbel_argmax"):
+        if _op_registry.find(name).fake_impl.kernel is None:
+            torch.library.register_fake(name, _one_token_per_row)
+
+
+def _one_token_per_row(logits: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+_register_fake_kernels()
 
 
 def prompt_logprobs_on_device(

@@ -384,6 +384,7 @@ class TokensStep:
         inputs = self.inputs
         return sample_on_device(
             ctx.sampler,
+            ctx.programs,
             ctx.token_table,
             ctx.sampling,
             logits,

@@ -13,6 +13,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.runtime import make_device
+from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.spec.constraints import plan_bad_words
 from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
@@ -21,32 +22,6 @@ from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 VOCAB = 6
 WIDTH = 3  # 1 + K, K = 2
-
-
-def _metadata(
-    temperature: list[float], generators: dict[int, torch.Generator] | None = None
-) -> SamplingMetadata:
-    rows = len(temperature)
-    greedy = all(t == 0.0 for t in temperature)
-    return SamplingMetadata(
-        temperature=None if greedy else torch.tensor(temperature),
-        all_greedy=greedy,
-        all_random=all(t > 0 for t in temperature),
-        top_p=None,
-        top_k=None,
-        generators=generators or {},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(rows),
-        presence_penalties=torch.zeros(rows),
-        repetition_penalties=torch.ones(rows),
-        output_token_ids=[[] for _ in range(rows)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-        spec_token_ids=None,
-    )
 
 
 def _logits(rows: int) -> torch.Tensor:
@@ -64,7 +39,7 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
         WIDTH,
         torch.tensor([2, 2]),
         drafts,
-        _metadata([0.0, 0.0]),
+        sampling_metadata([0.0, 0.0]),
         torch.float32,
         EAGER,
     )
@@ -88,7 +63,7 @@ def test_random_rows_keep_the_target_distribution() -> None:
             WIDTH,
             torch.tensor([1]),
             torch.tensor([[draft, 0]], dtype=torch.int32),
-            _metadata([temperature], generators),
+            sampling_metadata([temperature], generators),
             torch.float32,
             EAGER,
         )
@@ -109,7 +84,7 @@ def test_a_seed_reproduces() -> None:
             WIDTH,
             torch.tensor([2, 1]),
             drafts,
-            _metadata([1.0, 0.7], generators),
+            sampling_metadata([1.0, 0.7], generators),
             torch.float32,
             EAGER,
         ).tolist()
@@ -168,7 +143,7 @@ def test_penalties_count_each_querys_drafts() -> None:
     drafts = {1: [3, 6], 2: [0, 5]}
     tokens, plan = _verify_rows(histories, drafts)
     metadata = replace(
-        _metadata([0.0, 0.0]),
+        sampling_metadata([0.0, 0.0]),
         no_penalties=False,
         prompt_token_ids=torch.tensor([[1, 2], [4, vocab]]),
         presence_penalties=torch.tensor([0.5, 0.25]),
@@ -217,7 +192,7 @@ def test_bad_words_mask_each_query_as_vllm_does() -> None:
     }
     tokens, plan = _verify_rows(histories, drafts, bad_words=plan_bad_words(2, words))
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(2))
-    metadata = replace(_metadata([0.0, 0.0]), bad_words_token_ids=words)
+    metadata = replace(sampling_metadata([0.0, 0.0]), bad_words_token_ids=words)
     constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
     assert not left.bad_words_token_ids  # the sampler does not apply them again
     expected = logits.clone()
@@ -262,7 +237,7 @@ def _grammar_step(
         WIDTH,
         num_drafts,
         argmax[:, :2].int(),
-        _metadata([0, 0]),
+        sampling_metadata([0, 0]),
         torch.float32,
         EAGER,
     )
@@ -315,7 +290,7 @@ def test_verify_logprobs_are_vllms_sampler_ones_in_every_mode(mode: str) -> None
 
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
     metadata = replace(
-        _metadata([0.0, 0.7]),
+        sampling_metadata([0.0, 0.7]),
         top_k=torch.tensor([VOCAB, 3]),
         max_num_logprobs=-1,
     )
@@ -405,7 +380,7 @@ def test_a_bfloat16_models_verify_logits_are_penalized_in_float32() -> None:
 
     logits = torch.tensor([[8.0, 6.15625, -5.0, -5.0]], dtype=torch.bfloat16)
     metadata = replace(
-        _metadata([0.0]),
+        sampling_metadata([0.0]),
         no_penalties=False,
         prompt_token_ids=torch.tensor([[2]]),
         repetition_penalties=torch.tensor([1.3]),
@@ -425,4 +400,5 @@ def test_min_tokens_leaves_a_structured_request_the_stops_its_grammar_allows() -
     logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])
     grammar = plan_grammar(GrammarOutput(["r"], _masks([stop]), [0]), ["r"], {}, 1)
     min_tokens = ((0, 8, (stop,), True),)
-    assert _verify_one_row(logits, _metadata([0.0]), [5], min_tokens, grammar) == [stop]
+    metadata = sampling_metadata([0.0])
+    assert _verify_one_row(logits, metadata, [5], min_tokens, grammar) == [stop]

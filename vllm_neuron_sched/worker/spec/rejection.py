@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+from vllm_neuron_sched.worker.sampling import GREEDY_TEMPERATURE, sampling_scaled
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -23,10 +24,6 @@ if TYPE_CHECKING:
 
 # Rejected positions in the rejection sampler's output.
 REJECTED = -1
-
-
-# A row whose temperature is below this samples greedily (vLLM's threshold).
-GREEDY_TEMPERATURE = 1e-5
 
 
 def verify_logprobs(
@@ -67,38 +64,6 @@ def verify_logprobs(
         ranks,
         cu_num_generated_tokens=list(range(0, rows * width + 1, width)),
     )
-
-
-def sampling_scaled(
-    logits: torch.Tensor,
-    queries_per_row: int,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-) -> torch.Tensor:
-    """``logits`` (a new tensor), ``queries_per_row`` consecutive ones per
-    batch row, divided by their rows' temperatures (1 for greedy rows) and
-    masked to their top-k and top-p: the distribution a random row samples
-    from, and vLLM's processed logits. The settings hold one entry per batch
-    row. vLLM's sort-based masks, which keep the shape static (its
-    top-k-only path reads the largest k back to the host)."""
-
-    def per_query(values: torch.Tensor | None) -> torch.Tensor | None:
-        return None if values is None else values.repeat_interleave(queries_per_row)
-
-    temperature = temperature.repeat_interleave(queries_per_row)
-    temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
-    return apply_top_k_top_p_pytorch(
-        logits / temperature[:, None].float(),
-        per_query(top_k),
-        per_query(top_p),
-        allow_cpu_sync=False,
-    )
-
-
-def noise_dtype(sampler: "Sampler") -> torch.dtype:
-    """The Gumbel noise's dtype, as vLLM's sampler draws it."""
-    return torch.float64 if sampler.use_fp64_gumbel else torch.float32
 
 
 @dataclass(frozen=True)

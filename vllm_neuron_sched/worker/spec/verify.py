@@ -25,7 +25,7 @@ from vllm_neuron_sched.worker.results import (
     VerifyForward,
     make_output_materializer,
 )
-from vllm_neuron_sched.worker.sampling import sampling_inputs
+from vllm_neuron_sched.worker.sampling import noise_dtype, sampling_inputs
 from vllm_neuron_sched.worker.spec.constraints import (
     BadWords,
     constrain_verify_logits,
@@ -39,7 +39,6 @@ from vllm_neuron_sched.worker.spec.grammar import (
 from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens, Proposer
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
-    noise_dtype,
     rejection_sample,
     verify_logprobs,
 )

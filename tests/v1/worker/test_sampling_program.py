@@ -1,0 +1,177 @@
+"""A plain step's sampling program (``sampling.sample_rows``, after
+``draw_sampling``): the tokens and logprobs vLLM's CPU sampler gives, seeded
+rows' too, each generator left where vLLM's leaves it; traced into one graph
+per variant, answering as eager; and vLLM's sampler where the step needs
+more."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_neuron_sched.testing.logits_processors import CountingStopProcessor
+from vllm_neuron_sched.testing.sampling import sampling_metadata
+from vllm_neuron_sched.worker.programs import EAGER
+from vllm_neuron_sched.worker.sampling import (
+    draw_sampling,
+    in_sampling_program,
+    sample_in_program,
+    sample_rows,
+)
+
+VOCAB = 50
+ROWS = 6
+TEMPERATURES = [0.0, 0.7, 1.0, 0.0, 1.3, 0.5]  # greedy rows among random ones
+SEEDED = (1, 4)
+ALL_SAMPLED = np.ones(ROWS, dtype=bool)
+LOGPROBS_MODES = [
+    "raw_logprobs",
+    "processed_logprobs",
+    "raw_logits",
+    "processed_logits",
+]
+
+
+def _logits(seed: int = 3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    # Spread out, so that top-k and top-p cut real candidates.
+    return torch.randn(ROWS, VOCAB, generator=generator) * 3
+
+
+def _generators(
+    seed: int, rows: tuple[int, ...] = SEEDED
+) -> dict[int, torch.Generator]:
+    return {row: torch.Generator().manual_seed(seed + row) for row in rows}
+
+
+def _settings(top_k: bool, top_p: bool) -> dict:
+    return {
+        "top_k": [5, 50, 3, 10, 50, 7] if top_k else None,
+        "top_p": [0.9, 1.0, 0.5, 0.8, 0.95, 1.0] if top_p else None,
+    }
+
+
+@pytest.mark.parametrize("fp64", [False, True], ids=["seeds", "fp64_noise"])
+@pytest.mark.parametrize(
+    ("top_k", "top_p"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_the_program_samples_as_vllms_sampler(
+    top_k: bool, top_p: bool, fp64: bool
+) -> None:
+    """Several steps in a row: each seeded row's tokens are vLLM's sampler's,
+    and its generator moved as vLLM's moved it (so the next step's draw is
+    the same too); greedy rows take the argmax."""
+    settings = _settings(top_k, top_p)
+    ours_generators, vllm_generators = _generators(7), _generators(7)
+    sampler = Sampler(use_fp64_gumbel=fp64)
+    greedy = [row for row, t in enumerate(TEMPERATURES) if t == 0.0]
+    for step in range(3):
+        logits = _logits(step)
+        ours = sampling_metadata(TEMPERATURES, ours_generators, **settings)
+        theirs = sampling_metadata(TEMPERATURES, vllm_generators, **settings)
+        assert in_sampling_program(ours)
+        tokens, _ = sample_in_program(sampler, EAGER, logits.clone(), ours, ALL_SAMPLED)
+        expected = sampler(logits.clone(), theirs).sampled_token_ids[:, 0]
+        assert tokens[list(SEEDED)].tolist() == expected[list(SEEDED)].tolist()
+        assert tokens[greedy].tolist() == logits[greedy].argmax(dim=-1).tolist()
+        for row in SEEDED:
+            assert torch.equal(
+                ours_generators[row].get_state(), vllm_generators[row].get_state()
+            )
+
+
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+@pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "mixed"])
+def test_logprobs_are_vllms_in_every_mode(mode: str, all_greedy: bool) -> None:
+    """The top-n, the sampled token's logprob and rank, as vLLM's sampler
+    reports them: the processed modes after temperature, top-k and top-p
+    unless every row is greedy. Every random row seeded: all tokens equal."""
+    sampler = Sampler(logprobs_mode=mode)
+    temperatures = [0.0] * ROWS if all_greedy else TEMPERATURES
+    random_rows = tuple(row for row, t in enumerate(temperatures) if t > 0)
+
+    def metadata() -> SamplingMetadata:
+        generators = _generators(9, random_rows)
+        made = sampling_metadata(temperatures, generators, **_settings(True, True))
+        return replace(made, max_num_logprobs=3)
+
+    ours, theirs = metadata(), metadata()
+    logits = _logits()
+    tokens, logprobs = sample_in_program(
+        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED
+    )
+    expected = sampler(logits.clone(), theirs)
+    assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
+    assert logprobs is not None and expected.logprobs_tensors is not None
+    for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want)
+
+
+def test_a_row_that_samples_nothing_draws_nothing() -> None:
+    """A prompt chunk that is not the last: its generator stays, so the seed
+    gives the same tokens however the prompt is chunked."""
+    generators = _generators(11)
+    before = generators[SEEDED[0]].get_state()
+    is_sampled = ALL_SAMPLED.copy()
+    is_sampled[SEEDED[0]] = False
+    draw_sampling(
+        sampling_metadata(TEMPERATURES, generators), is_sampled, VOCAB, torch.float32
+    )
+    assert torch.equal(generators[SEEDED[0]].get_state(), before)
+    moved = generators[SEEDED[1]].get_state()
+    assert not torch.equal(moved, _generators(11)[SEEDED[1]].get_state())
+
+
+def test_greedy_steps_draw_nothing() -> None:
+    metadata = sampling_metadata([0.0] * ROWS)
+    assert draw_sampling(metadata, ALL_SAMPLED, VOCAB, torch.float32) is None
+
+
+@pytest.mark.parametrize("fp64", [False, True], ids=["seeds", "fp64_noise"])
+def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
+    """fullgraph (vLLM's kernels traced through their fake shapes), the same
+    tokens and scores as the eager program."""
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        sample_rows, fullgraph=True, dynamic=False, backend="eager"
+    )
+    noise = torch.float64 if fp64 else torch.float32
+    for top_k, top_p in [(False, False), (True, True)]:
+        settings = _settings(top_k, top_p)
+        metadata = sampling_metadata(TEMPERATURES, _generators(5), **settings)
+        draws = draw_sampling(metadata, ALL_SAMPLED, VOCAB, noise)
+        logits = _logits()
+        for mode in (None, "processed_logprobs"):
+            got, want = compiled(logits, draws, mode), sample_rows(logits, draws, mode)
+            torch.testing.assert_close(got, want)
+
+
+def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
+    """Penalties, bad words, allowed tokens, whole-vocabulary logprobs, a
+    built-in processor with a row to act on, and any processor of the
+    user's."""
+    plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
+    assert in_sampling_program(plain)
+    bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    params = SamplingParams(logit_bias={3: 5.0})
+    bias.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
+    users = CountingStopProcessor(None, torch.device("cpu"), False)
+    needs_more = [
+        replace(plain, no_penalties=False),
+        replace(plain, bad_words_token_ids={0: [[3]]}),
+        replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
+        replace(plain, max_num_logprobs=-1),
+        replace(plain, logitsprocs=LogitsProcessors([bias])),
+        replace(plain, logitsprocs=LogitsProcessors([users])),
+    ]
+    for metadata in needs_more:
+        assert not in_sampling_program(metadata)
+    idle = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    assert in_sampling_program(replace(plain, logitsprocs=LogitsProcessors([idle])))
