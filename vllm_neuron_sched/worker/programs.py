@@ -4,11 +4,11 @@ compiles besides the model, and at which shapes (docs/design.md, section 9).
 Each program is a fixed-signature function of tensors whose first dimension
 is the step's rows: no host read, no shape that depends on the data. Its
 declared shapes are the decode buckets times what the engine fixes at start-up
-(the verify widths 1 and 1 + K, the vocabulary, the token table's width, the
-sampling variants). ``examples`` gives one call's arguments per declared shape:
-the ``compiled`` device compiles each program with them at start-up
-(``worker/compiled.py``), and ``tests/v1/worker/test_traced_programs.py``
-traces them.
+(the verify widths 1 and 1 + K, the vocabulary, the logits' dtype, the
+logprobs mode, the token table's width, the sampling variants). ``examples``
+gives one call's arguments per declared shape: the ``compiled`` device
+compiles each program with them at start-up (``worker/compiled.py``), and
+``tests/v1/worker/test_traced_programs.py`` traces them.
 """
 
 from collections.abc import Callable, Iterator

@@ -2,13 +2,13 @@
 
 A step's rows sample on the device with the device's logits processors and
 output histories (``sampling_state.py``). A step that needs only temperature,
-top-k, top-p and seeds samples in one program of fixed shape
+top-k, top-p, seeds and top-n logprobs samples in one program of fixed shape
 (``sample_rows``, after its per-request draws, ``draw_sampling``); one that
-needs more (penalties, logprobs, bad words, allowed tokens, a logits processor
-with work to do) runs vLLM's ``Sampler``. On a threaded device the rest of
-what it reads is a snapshot taken at enqueue, because the main thread builds
-the next step while this one samples; an inline device samples at enqueue and
-reads the batch as it is.
+needs more (penalties, bad words, allowed tokens, whole-vocabulary logprobs, a
+logits processor with work to do) runs vLLM's ``Sampler``. On a threaded
+device the rest of what it reads is a snapshot taken at enqueue, because the
+main thread builds the next step while this one samples; an inline device
+samples at enqueue and reads the batch as it is.
 """
 
 from collections.abc import Sequence
