@@ -253,26 +253,30 @@ def sample_rows(
     raw, logits = logits, logits.float()
     greedy = torch.ops._C.greedy_argmax(logits)
     if draws is None:
-        return greedy, _scores(raw, logits, scores_mode)
-    scaled = sampling_scaled(logits, 1, draws.temperature, draws.top_k, draws.top_p)
-    if draws.seeds is not None:
-        drawn = torch.ops._C.fused_gumbel_argmax(scaled, draws.seeds)
+        tokens, processed = greedy, logits
     else:
-        assert draws.noise is not None
-        probs = scaled.softmax(dim=-1, dtype=torch.float32)
-        drawn = (draws.noise.reciprocal() * probs).argmax(dim=-1)
-    tokens = torch.where(draws.temperature < GREEDY_TEMPERATURE, greedy, drawn)
-    return tokens, _scores(raw, scaled, scores_mode)
+        temperature = draws.temperature
+        processed = sampling_scaled(logits, 1, temperature, draws.top_k, draws.top_p)
+        if draws.seeds is not None:
+            drawn = torch.ops._C.fused_gumbel_argmax(processed, draws.seeds)
+        else:
+            assert draws.noise is not None
+            probs = processed.softmax(dim=-1, dtype=torch.float32)
+            drawn = (draws.noise.reciprocal() * probs).argmax(dim=-1)
+        tokens = torch.where(temperature < GREEDY_TEMPERATURE, greedy, drawn)
+    if scores_mode is None:
+        return tokens, None
+    return tokens, logprobs_scores(raw, processed, scores_mode)
 
 
-def _scores(
-    raw: torch.Tensor, processed: torch.Tensor, mode: str | None
-) -> torch.Tensor | None:
-    """The raw modes read the logits as the forward gave them; the processed
-    ones what the rows sample from (greedy rows included, at temperature 1,
-    unless every row is greedy)."""
-    if mode is None:
-        return None
+def logprobs_scores(
+    raw: torch.Tensor, processed: torch.Tensor, mode: str
+) -> torch.Tensor:
+    """What vLLM's logprobs ``mode`` reads, float32: the raw modes the logits
+    as the forward gave them, the processed ones what the rows sample from
+    (``processed``: after temperature, top-k and top-p unless every row is
+    greedy, greedy rows at temperature 1); log-softmaxed for the logprobs
+    modes."""
     source = processed if mode.startswith("processed") else raw.float()
     if mode.endswith("logprobs"):
         return source.log_softmax(dim=-1, dtype=torch.float32)

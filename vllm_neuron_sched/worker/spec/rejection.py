@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
-from vllm_neuron_sched.worker.sampling import GREEDY_TEMPERATURE, sampling_scaled
+from vllm_neuron_sched.worker.sampling import (
+    GREEDY_TEMPERATURE,
+    logprobs_scores,
+    sampling_scaled,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -44,15 +48,13 @@ def verify_logprobs(
     queries as at the bonus token's."""
     mode = sampler.logprobs_mode
     rows, width = tokens.shape
-    processed = mode.startswith("processed")
-    scores = (constrained_logits if processed else raw_logits).float()
-    if processed and not metadata.all_greedy:
+    processed = constrained_logits.float()
+    if mode.startswith("processed") and not metadata.all_greedy:
         assert metadata.temperature is not None
-        scores = sampling_scaled(
-            scores, width, metadata.temperature, metadata.top_k, metadata.top_p
+        processed = sampling_scaled(
+            processed, width, metadata.temperature, metadata.top_k, metadata.top_p
         )
-    if mode.endswith("logprobs"):
-        scores = sampler.compute_logprobs(scores)
+    scores = logprobs_scores(raw_logits, processed, mode)
     ids = tokens.flatten().clamp(min=0).long()
     assert metadata.max_num_logprobs is not None
     token_ids, values, ranks, *_ = sampler.gather_logprobs(
