@@ -75,6 +75,14 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, str], str | None]] = {
 BASELINE = "stock_sync_ngram"  # what the ratios are taken against
 
 
+# ``--penalties``: what a chat client commonly sets against repetition.
+PENALTIES = {
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.2,
+    "frequency_penalty": 0.2,
+}
+
+
 def speculative_config(method: str | None, k: int) -> dict[str, Any] | None:
     if method is None:
         return None
@@ -236,7 +244,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         prompts, budgets = workload(spec["workload"], spec["checkpoint"], concurrency)
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
         params = [
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                ignore_eos=ignore_eos,
+                **(PENALTIES if spec["penalties"] else {}),
+            )
             for n in budgets
         ]
         closed_loop(llm, inputs, params, concurrency, f"w{run_index}")  # warm-up
@@ -269,6 +282,7 @@ def run(mode: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "concurrencies": args.concurrency,
         "k": args.k,
+        "penalties": args.penalties,
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **MODES[mode][1]}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -308,6 +322,11 @@ def main() -> None:
         "--concurrency", default="1,4,16", help="requests in flight, comma-separated"
     )
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every request with the three penalties (PENALTIES)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -63,10 +63,12 @@ def test_compiled_serves_stock_tokens_without_compiling(
     # Dynamo's graphs, an earlier engine's in this process included.
     assert before["forward_graphs"] >= len(declared)
     # Per decode bucket (1, 2, 4): for sampling greedy rows and random ones
-    # with or without top-k and top-p, with or without logprobs; widths 1
-    # and 1 + K, and for rejection sampling greedy, random and truncated rows.
+    # with or without top-k and top-p, with or without logprobs, and the raw
+    # logprobs before penalties; widths 1 and 1 + K, and for rejection
+    # sampling greedy, random and truncated rows.
     assert before["program_shapes"] == {
         "sample_rows": 30,
+        "raw_scores": 3,
         "accept_drafts": 18,
         "propose_ngram_drafts": 3,
         "mask_min_tokens": 6,
@@ -79,7 +81,8 @@ def test_compiled_serves_stock_tokens_without_compiling(
     calls = after.pop("program_calls")
     before.pop("program_calls")
     assert after == before  # nothing compiled while serving
-    # Prompts sample in the program (the requests without penalties), verify
-    # steps in rejection sampling's.
+    # Prompts sample in the program (penalties in theirs), verify steps in
+    # rejection sampling's.
     assert calls["sample_rows"] > 0 and calls["accept_drafts"] > 0
+    assert calls["penalize_queries"] > 0
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

@@ -98,11 +98,17 @@ def server_prompts() -> list[list[int]]:
 
 
 def mixed_greedy(num_logprobs: int = 3) -> list[dict[str, Any]]:
-    """Greedy, ``MIXED_BUDGETS`` tokens, with logprobs (and prompt logprobs
-    on the second request): the stock oracle every mixed-workload test
-    compares with, so one stock run serves them all."""
+    """Greedy, ``MIXED_BUDGETS`` tokens, with logprobs (and on the second
+    request, the longest, prompt logprobs and the three penalties): the
+    stock oracle every mixed-workload test compares with, so one stock run
+    serves them all."""
     params = greedy(MIXED_BUDGETS, logprobs=num_logprobs)
-    params[1]["prompt_logprobs"] = num_logprobs
+    params[1].update(
+        prompt_logprobs=num_logprobs,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+    )
     return params
 
 

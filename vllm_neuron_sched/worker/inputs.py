@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_neuron_sched.worker.layout import Layout
+from vllm_neuron_sched.worker.layout import Layout, Tokens
 from vllm_neuron_sched.worker.token_table import (
     PLACEHOLDER_TOKEN_ID,
     SPARE_TOKEN_SLOT,
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
     from vllm_neuron_sched.core.prefill_shapes import PrefillShape
     from vllm_neuron_sched.worker.steps import StepRows
+
+# (token slots, positions, token ids) a step writes into the device histories.
+HistoryWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -52,6 +55,15 @@ class StepInputs:
     sample_slots: torch.Tensor
     # [num_reqs] the rows' token slots (for history repairs).
     token_slots: np.ndarray
+    # [num_reqs] int64 where each row's sampled token goes in its history:
+    # the tokens it has once the step has run.
+    next_positions: torch.Tensor
+    # [num_reqs] int64 the requests' prompt lengths (the repetition penalty
+    # counts the prompt, the others the outputs).
+    prompt_lens: torch.Tensor
+    # The prompt tokens the step writes into the device histories; None
+    # when every row decodes (its input is already there).
+    history_writes: HistoryWrites | None
     # A non-decode input token is a placeholder: host state is behind the
     # device there (not expected; the runner waits and rebuilds).
     needs_host_tokens: bool
@@ -68,6 +80,7 @@ def token_inputs(
     token_slots: np.ndarray,
     attn_groups: "list[AttentionGroup]",
     max_model_len: int,
+    num_cached_prompt_tokens: np.ndarray,
 ) -> StepInputs:
     """The inputs of ``rows`` at ``shape`` (``Layout.of``): prompt tokens
     from the host, each decode row's one token (its newest) from the device
@@ -85,6 +98,7 @@ def token_inputs(
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
     input_ids[torch.from_numpy(tokens.index)] = torch.from_numpy(token_ids)
     is_sampled = rows.num_computed + num_scheduled >= rows.num_known
+    num_reqs = len(rows.req_ids)
     return StepInputs(
         req_ids=rows.req_ids,
         layout=layout,
@@ -96,7 +110,43 @@ def token_inputs(
             np.where(is_sampled, token_slots, SPARE_TOKEN_SLOT)
         ),
         token_slots=token_slots,
+        next_positions=torch.from_numpy(
+            (rows.num_computed + num_scheduled).astype(np.int64)
+        ),
+        prompt_lens=torch.from_numpy(
+            batch.num_prompt_tokens[:num_reqs].astype(np.int64)
+        ),
+        history_writes=None
+        if rows.is_decode_row.all()
+        else _history_writes(
+            batch, num_cached_prompt_tokens, token_slots, tokens, rows.is_decode_row
+        ),
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
         num_table_rows=len(decode_rows),
         has_samples=bool(is_sampled.any()),
+    )
+
+
+def _history_writes(
+    batch: "InputBatch",
+    num_cached_prompt_tokens: np.ndarray,
+    token_slots: np.ndarray,
+    tokens: Tokens,
+    is_decode_row: np.ndarray,
+) -> HistoryWrites:
+    """Every prompt token the step runs (a decode row's input is in its
+    history already, and on the host maybe still a placeholder), and a new
+    request's prefix-cache hit, which it does not run but the penalties and
+    the n-gram proposer read."""
+    hit_rows = np.flatnonzero(num_cached_prompt_tokens)
+    hits = num_cached_prompt_tokens[hit_rows]
+    hit_rows_of_token = np.repeat(hit_rows, hits)
+    hit_positions = np.arange(int(hits.sum())) - np.repeat(np.cumsum(hits) - hits, hits)
+    is_prompt = ~is_decode_row[tokens.row_of_token]
+    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token[is_prompt]])
+    columns = np.concatenate([hit_positions, tokens.positions[is_prompt]])
+    return (
+        torch.from_numpy(token_slots[rows]),
+        torch.from_numpy(columns),
+        torch.from_numpy(batch.token_ids_cpu[rows, columns].astype(np.int32)),
     )

@@ -94,7 +94,7 @@ from vllm_neuron_sched.worker.spec.proposer import NgramProposer, Proposer
 from vllm_neuron_sched.worker.spec.steps import SPECULATIVE_STEPS
 from vllm_neuron_sched.worker.steps import PLAIN_STEPS, Step, StepContext
 from vllm_neuron_sched.worker.timeline import StepTimeline
-from vllm_neuron_sched.worker.token_table import DeviceTokens
+from vllm_neuron_sched.worker.token_table import DeviceTokens, history_width
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -228,7 +228,10 @@ class NeuronSchedModelRunner:
             token_table=DeviceTokens(
                 self.max_num_reqs,
                 self.device,
-                history_len=0 if spec is None else spec.history_len,
+                history_width(
+                    self.model_config.max_model_len,
+                    0 if spec is None else spec.num_tokens,
+                ),
                 num_drafts=0 if spec is None else spec.num_tokens,
             ),
             # vLLM's processors (built-in and the user's: refused with
@@ -363,7 +366,6 @@ class NeuronSchedModelRunner:
             history_len=self.ctx.token_table.history_len,
             noise_dtype=noise_dtype(self.ctx.sampler),
             logprobs_mode=self.ctx.sampler.logprobs_mode,
-            logits_dtype=self.model_config.dtype,
         )
         if spec is not None:  # no verify step without: no shape declared
             dims = replace(

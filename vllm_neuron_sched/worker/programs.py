@@ -4,20 +4,21 @@ compiles besides the model, and at which shapes (docs/design.md, section 9).
 Each program is a fixed-signature function of tensors whose first dimension
 is the step's rows: no host read, no shape that depends on the data. Its
 declared shapes are the decode buckets times what the engine fixes at start-up
-(the verify widths 1 and 1 + K, the vocabulary, the logits' dtype, the
-logprobs mode, the token table's width, the sampling variants). ``examples``
-gives one call's arguments per declared shape: the ``compiled`` device
+(the widths 1 and, with speculation, 1 + K, the vocabulary, the logprobs
+mode, the token table's width, the sampling variants). ``examples`` gives
+one call's arguments per declared shape: the ``compiled`` device
 compiles each program with them at start-up (``worker/compiled.py``), and
 ``tests/v1/worker/test_traced_programs.py`` traces them.
 """
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vllm_neuron_sched.worker.sampling import Draws, sample_rows
+from vllm_neuron_sched.worker.sampling import Draws, raw_scores, sample_rows
 from vllm_neuron_sched.worker.spec.constraints import (
     mask_bad_words,
     mask_min_tokens,
@@ -36,7 +37,6 @@ class Dimensions:
     history_len: int  # the token table's width
     noise_dtype: torch.dtype  # the sampler's Gumbel noise (fp64 or fp32)
     logprobs_mode: str = "raw_logprobs"  # vLLM's, the engine's
-    logits_dtype: torch.dtype = torch.float32  # the model's
     num_drafts: int = 0  # K; 0: no speculative decoding
     min_n: int = 0  # the n-gram proposer's; 0: none
     max_n: int = 0
@@ -44,8 +44,9 @@ class Dimensions:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """A verify step's queries per row: 1 when no row has drafts."""
-        return (1, 1 + self.num_drafts)
+        """Queries per row: 1 in a plain step's sampling, and with
+        speculation 1 + K in a verify step whose rows have drafts."""
+        return (1, 1 + self.num_drafts) if self.num_drafts else (1,)
 
 
 Examples = Callable[[Dimensions], Iterator[tuple[Any, ...]]]
@@ -87,10 +88,11 @@ def _sample_rows_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
     """Greedy, then random with top-k and top-p each set or not (as vLLM's
     batch has them: None when no row uses one, which keeps stock's tokens
     exact), drawing seeds or fp64 noise as the sampler is configured; each
-    with logprobs' scores or without."""
+    with logprobs' scores or without. The logits in float32, as vLLM's
+    sampler takes them whatever the model's dtype."""
     fp64 = dims.noise_dtype == torch.float64
     for rows in dims.rows:
-        logits = torch.zeros(rows, dims.vocab, dtype=dims.logits_dtype)
+        logits = torch.zeros(rows, dims.vocab)
         variants: list[Draws | None] = [None]
         for top_k in (None, torch.full((rows,), dims.vocab, dtype=torch.int32)):
             for top_p in (None, torch.ones(rows)):
@@ -108,6 +110,14 @@ def _sample_rows_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
         for draws in variants:
             for scores_mode in (None, dims.logprobs_mode):
                 yield logits, draws, scores_mode
+
+
+def _raw_scores_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """None unless the engine's logprobs mode is a raw one."""
+    if not dims.logprobs_mode.startswith("raw"):
+        return
+    for rows in dims.rows:
+        yield torch.zeros(rows, dims.vocab), dims.logprobs_mode
 
 
 def _accept_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
@@ -161,7 +171,8 @@ def _min_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 
 def _penalties_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
-    for rows, width in _verify_shapes(dims):
+    """A plain step's sampling (width 1) and a verify step's."""
+    for rows, width in itertools.product(dims.rows, dims.widths):
         penalty = _rows_of(rows, torch.float32)
         yield (
             _queries(rows, width, dims),
@@ -190,6 +201,7 @@ def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 PROGRAMS: tuple[Program, ...] = (
     Program("sample_rows", sample_rows, _sample_rows_examples),
+    Program("raw_scores", raw_scores, _raw_scores_examples),
     Program("accept_drafts", accept_drafts, _accept_drafts_examples),
     Program("propose_ngram_drafts", propose_ngram_drafts, _ngram_examples),
     Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
@@ -204,6 +216,7 @@ class Programs:
     or each compiled per declared shape (``compiled.compile_programs``)."""
 
     sample_rows: Callable[..., Any] = sample_rows
+    raw_scores: Callable[..., Any] = raw_scores
     accept_drafts: Callable[..., Any] = accept_drafts
     propose_ngram_drafts: Callable[..., Any] = propose_ngram_drafts
     mask_min_tokens: Callable[..., Any] = mask_min_tokens

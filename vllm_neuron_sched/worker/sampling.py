@@ -1,10 +1,11 @@
 """On-device sampling and what the host hands it.
 
 A step's rows sample on the device with the device's logits processors and
-output histories (``sampling_state.py``). A step that needs only temperature,
-top-k, top-p, seeds and top-n logprobs samples in one program of fixed shape
-(``sample_rows``, after its per-request draws, ``draw_sampling``); one that
-needs more (penalties, bad words, allowed tokens, whole-vocabulary logprobs, a
+output histories (``sampling_state.py``). A step that needs only penalties,
+temperature, top-k, top-p, seeds and top-n logprobs samples in programs of
+fixed shape: the penalties over the device histories (``penalize_queries``),
+then ``sample_rows`` after its per-request draws (``draw_sampling``); one
+that needs more (bad words, allowed tokens, whole-vocabulary logprobs, a
 logits processor with work to do) runs vLLM's ``Sampler``. On a threaded
 device the rest of what it reads is a snapshot taken at enqueue, because the
 main thread builds the next step while this one samples; an inline device
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.token_table import DeviceTokens
@@ -97,34 +99,56 @@ def sample_on_device(
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
     needs_histories: bool,
-    req_ids: list[str],
-    write_slots: torch.Tensor,
-    is_sampled: np.ndarray,
+    inputs: "StepInputs",
     grammar: "StepMasks | None",
 ) -> Sampled:
     """Runs on the device thread. Samples with the device's processors and
     histories, writes each sampling row's token into the device token table
-    (``write_slots``; non-sampling rows point at the padding slot) and the
-    histories, and returns the tokens and their logprobs."""
+    and history (``inputs.sample_slots``: non-sampling rows point at the
+    spare slot) and the processors' histories, and returns the tokens and
+    their logprobs."""
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
+    req_ids, is_sampled = inputs.req_ids, inputs.is_sampled
     with torch.inference_mode():
         metadata = state.sampling_metadata(metadata, req_ids, needs_histories)
         if grammar is not None:
             rows = SimpleNamespace(req_ids=grammar.req_ids)
             apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
         if in_sampling_program(metadata):
+            pasts = None if metadata.no_penalties else Pasts.of(tokens, inputs)
             sampled, logprobs = sample_in_program(
-                sampler, programs, logits, metadata, is_sampled
+                sampler, programs, logits, metadata, is_sampled, pasts
             )
         else:
             sampled, logprobs = _vllm_sample(sampler, logits, metadata, is_sampled)
-        tokens.write(write_slots, sampled)
+        slots = inputs.sample_slots
+        tokens.accept(
+            slots, inputs.next_positions, sampled[:, None], torch.ones_like(slots)
+        )
         state.record(
             req_ids,
             [[t] if s else [] for t, s in zip(sampled.tolist(), is_sampled.tolist())],
         )
     return Sampled(sampled, logprobs)
+
+
+@dataclass(frozen=True)
+class Pasts:
+    """What the penalties read of each row: its device history, its tokens
+    before the one it samples (``ends``), the first ``prompt_lens`` of them
+    its prompt. The device's, not the host's: under async scheduling the
+    host's history still ends in placeholders."""
+
+    history: torch.Tensor  # [rows, history width] int64
+    ends: torch.Tensor  # [rows] int64
+    prompt_lens: torch.Tensor  # [rows] int64
+
+    @classmethod
+    def of(cls, tokens: "DeviceTokens", inputs: "StepInputs") -> "Pasts":
+        slots = torch.from_numpy(inputs.token_slots)
+        history = tokens.histories_of(slots).long()
+        return cls(history, inputs.next_positions, inputs.prompt_lens)
 
 
 def sample_in_program(
@@ -133,18 +157,52 @@ def sample_in_program(
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
     is_sampled: np.ndarray,
+    pasts: Pasts | None = None,
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
-    """The draws, the program, then the logprobs' top-n (the request's n:
-    vLLM's gather, on the scores the program gives)."""
+    """The draws, the penalties (``pasts``: where a row has any), the
+    sampling program, then the logprobs' top-n (the request's n: vLLM's
+    gather, on the scores the programs give). A raw logprobs mode reads the
+    logits before the penalties (``raw_scores``), as vLLM's sampler does."""
     num_logprobs = metadata.max_num_logprobs
     draws = draw_sampling(metadata, is_sampled, logits.shape[1], noise_dtype(sampler))
     scores_mode = None if num_logprobs is None else sampler.logprobs_mode
-    sampled, scores = programs.sample_rows(logits, draws, scores_mode)
+    scores = None
+    logits = logits.float()  # as vLLM's sampler takes them
+    if not metadata.no_penalties:
+        assert pasts is not None, "penalties read the rows' pasts"
+        if scores_mode is not None and scores_mode.startswith("raw"):
+            scores, scores_mode = programs.raw_scores(logits, scores_mode), None
+        logits = _penalized(programs, logits, metadata, pasts)
+    sampled, processed = programs.sample_rows(logits, draws, scores_mode)
+    scores = processed if scores is None else scores
     logprobs = None
     if scores is not None:
         assert num_logprobs is not None
         logprobs = sampler.gather_logprobs(scores, num_logprobs, sampled)
     return sampled.to(torch.int32), logprobs
+
+
+def _penalized(
+    programs: "Programs",
+    logits: torch.Tensor,
+    metadata: "SamplingMetadata",
+    pasts: Pasts,
+) -> torch.Tensor:
+    """vLLM's penalties as a verify step's queries take them, one query per
+    row (``penalize_queries``)."""
+    rows = logits.shape[0]
+    assert metadata.presence_penalties is not None
+    assert metadata.frequency_penalties is not None
+    assert metadata.repetition_penalties is not None
+    return programs.penalize_queries(
+        logits[:, None],
+        pasts.history,
+        pasts.ends[:, None],
+        pasts.prompt_lens,
+        metadata.presence_penalties[:rows],
+        metadata.frequency_penalties[:rows],
+        metadata.repetition_penalties[:rows],
+    )[:, 0]
 
 
 def _vllm_sample(
@@ -169,15 +227,14 @@ def _vllm_sample(
 
 def in_sampling_program(metadata: "SamplingMetadata") -> bool:
     """Whether a step's rows need nothing of vLLM's sampler beyond
-    temperature, top-k, top-p, seeds and top-n logprobs (``sample_rows``):
-    no penalties, bad words, allowed tokens, whole-vocabulary logprobs or
-    logprobs of given tokens, and no logits processor with a row to act on
-    (vLLM's built-in ones report theirs; the user's may act on any step, so
-    vLLM's sampler runs them)."""
+    penalties, temperature, top-k, top-p, seeds and top-n logprobs
+    (``penalize_queries``, ``sample_rows``): no bad words, allowed tokens,
+    whole-vocabulary logprobs or logprobs of given tokens, and no logits
+    processor with a row to act on (vLLM's built-in ones report theirs; the
+    user's may act on any step, so vLLM's sampler runs them)."""
     return (
         metadata.max_num_logprobs != -1
         and not metadata.logprob_token_ids
-        and metadata.no_penalties
         and metadata.allowed_token_ids_mask is None
         and not metadata.bad_words_token_ids
         and all(map(_idle, metadata.logitsprocs.all))
@@ -244,13 +301,14 @@ def draw_sampling(
 def sample_rows(
     logits: torch.Tensor, draws: Draws | None, scores_mode: str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The device program: ``logits`` [rows, vocab] -> each row's token
-    [rows] int64 as vLLM's CPU sampler takes it (the argmax for a greedy row;
-    for a random one Gumbel-max over the logits after temperature, top-k and
-    top-p), with vLLM's own kernels, so tokens and seeds equal stock's; and
-    with a logprobs mode (vLLM's ``logprobs_mode``) the [rows, vocab] float32
-    scores its sampler reads logprobs from in that mode."""
-    raw, logits = logits, logits.float()
+    """The device program: ``logits`` [rows, vocab] float32 (vLLM's sampler
+    casts a model's other dtype first, and so does the step) -> each row's
+    token [rows] int64 as vLLM's CPU sampler takes it (the argmax for a
+    greedy row; for a random one Gumbel-max over the logits after
+    temperature, top-k and top-p), with vLLM's own kernels, so tokens and
+    seeds equal stock's; and with a logprobs mode (vLLM's ``logprobs_mode``)
+    the [rows, vocab] float32 scores its sampler reads logprobs from in that
+    mode."""
     greedy = torch.ops._C.greedy_argmax(logits)
     if draws is None:
         tokens, processed = greedy, logits
@@ -266,7 +324,7 @@ def sample_rows(
         tokens = torch.where(temperature < GREEDY_TEMPERATURE, greedy, drawn)
     if scores_mode is None:
         return tokens, None
-    return tokens, logprobs_scores(raw, processed, scores_mode)
+    return tokens, logprobs_scores(logits, processed, scores_mode)
 
 
 def logprobs_scores(
@@ -281,6 +339,13 @@ def logprobs_scores(
     if mode.endswith("logprobs"):
         return source.log_softmax(dim=-1, dtype=torch.float32)
     return source
+
+
+def raw_scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """The device program for a raw logprobs mode's scores where a step
+    processes its logits before ``sample_rows`` (penalties): read from the
+    logits as the forward gave them."""
+    return logprobs_scores(logits, logits, mode)
 
 
 def sampling_scaled(

@@ -265,6 +265,7 @@ class TokensStep:
             update.token_slots,
             ctx.kv_cache.attn_groups,
             ctx.max_model_len,
+            update.num_cached_prompt_tokens,
         )
 
     @classmethod
@@ -331,10 +332,13 @@ class TokensStep:
     def forward_on_device(
         self, ctx: StepContext, prompt_logprobs_jobs: "list[PromptLogprobsJob]"
     ) -> torch.Tensor | None:
-        """Decode rows' ids from the token table, then the model at the
-        padded shape; the sampling rows' logits (None when no row samples)."""
+        """Prompt tokens into the device histories, decode rows' ids from the
+        token table, then the model at the padded shape; the sampling rows'
+        logits (None when no row samples)."""
         inputs = self.inputs
         with torch.inference_mode():
+            if inputs.history_writes is not None:
+                ctx.token_table.record(*inputs.history_writes)
             ctx.token_table.gather(inputs.input_ids, inputs.gather)
             if self.adapters is not None:
                 assert ctx.lora is not None
@@ -381,7 +385,6 @@ class TokensStep:
         needs_histories: bool,
         grammar: "StepMasks | None",
     ) -> Sampled:
-        inputs = self.inputs
         return sample_on_device(
             ctx.sampler,
             ctx.programs,
@@ -390,9 +393,7 @@ class TokensStep:
             logits,
             metadata,
             needs_histories,
-            inputs.req_ids,
-            inputs.sample_slots,
-            inputs.is_sampled,
+            self.inputs,
             grammar,
         )
 

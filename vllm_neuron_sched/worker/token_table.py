@@ -33,6 +33,11 @@ class TableGather:
     slots: torch.Tensor  # [num_decode] int64
 
 
+def history_width(max_model_len: int, num_drafts: int) -> int:
+    """Columns of the device histories: every position a token can take."""
+    return max_model_len + 1 + num_drafts
+
+
 def plan_gather(
     decode_rows: np.ndarray, last_token_index: np.ndarray, token_slots: np.ndarray
 ) -> TableGather | None:
@@ -51,11 +56,13 @@ class DeviceTokens:
     """The newest sampled token of every live request, on the device, one
     entry per token slot (host state assigns the slots: ``TokenSlots``).
 
-    With speculative decoding (``history_len`` > 0) each slot also keeps the
-    request's whole token history, its length, and the drafts proposed from
-    it (``spec/``): a verify step's input ids, positions and KV slots
-    come from here, because under async scheduling neither the host nor the
-    scheduler knows yet how many drafts the step before was accepted.
+    Each slot also keeps the request's whole token history (prompt and
+    outputs, ``history_len`` columns) and its length: the sampling program's
+    penalties read it, because under async scheduling the host's history
+    still ends in placeholders. With speculative decoding the slot also
+    keeps the drafts proposed from it (``spec/``): a verify step's input
+    ids, positions and KV slots come from here, because neither the host nor
+    the scheduler knows yet how many drafts the step before was accepted.
 
     Only device executions touch the table (``gather`` in a forward,
     ``read`` and ``write`` in sampling, in enqueue order), so the host never
@@ -67,14 +74,14 @@ class DeviceTokens:
         self,
         capacity: int,
         device: "Device",
-        history_len: int = 0,
+        history_len: int,
         num_drafts: int = 0,
     ) -> None:
         self._device = device
         self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
         self.history_len = history_len
-        # Speculative decoding only (device-owned, like the table): [slots, L]
-        # token ids, [slots] tokens known, [slots, K] drafts, [slots] drafts.
+        # Device-owned, like the table: [slots, L] token ids, [slots] tokens
+        # known; speculative decoding only: [slots, K] drafts, [slots] drafts.
         self._history = torch.zeros((capacity + 1, history_len), dtype=torch.int32)
         self._lengths = torch.zeros(capacity + 1, dtype=torch.int64)
         self._drafts = torch.zeros((capacity + 1, num_drafts), dtype=torch.int32)
@@ -97,7 +104,7 @@ class DeviceTokens:
     def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         self._table[slots] = tokens
 
-    # ---- speculative decoding: histories and drafts (device side too) -------
+    # ---- histories, and speculative decoding's drafts (device side too) ----
 
     def lengths_of(self, slots: torch.Tensor) -> torch.Tensor:
         """[rows] int64: the tokens each slot's history holds."""
@@ -125,7 +132,7 @@ class DeviceTokens:
     def record(
         self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
     ) -> None:
-        """Prompt tokens into the histories (speculative decoding)."""
+        """Prompt tokens into the histories."""
         self._history[slots, positions.clamp(max=self.history_len - 1)] = ids
 
     def accept(
@@ -138,7 +145,9 @@ class DeviceTokens:
         """Each row's first ``counts`` of ``tokens`` [rows, W] enter its
         history at ``starts``; the last of them is the newest token. Every
         entry is written, at a fixed shape: those past a row's count into the
-        spare slot, which nothing reads."""
+        spare slot, which nothing reads. A step's sampling accepts its one
+        token per row (``counts`` 1, rows that sample nothing at the spare
+        slot)."""
         width = tokens.shape[1]
         columns = starts[:, None] + torch.arange(width)
         keep = torch.arange(width)[None, :] < counts[:, None]

@@ -1,8 +1,8 @@
-"""A plain step's sampling program (``sampling.sample_rows``, after
-``draw_sampling``): the tokens and logprobs vLLM's CPU sampler gives, seeded
-rows' too, each generator left where vLLM's leaves it; traced into one graph
-per variant, answering as eager; and vLLM's sampler where the step needs
-more."""
+"""A plain step's sampling programs (``sampling.sample_rows``, after
+``draw_sampling``; the penalties over the device histories first): the
+tokens and logprobs vLLM's CPU sampler gives, seeded rows' too, each
+generator left where vLLM's leaves it; traced into one graph per variant,
+answering as eager; and vLLM's sampler where the step needs more."""
 
 from dataclasses import replace
 
@@ -19,6 +19,7 @@ from vllm_neuron_sched.testing.logits_processors import CountingStopProcessor
 from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.sampling import (
+    Pasts,
     draw_sampling,
     in_sampling_program,
     sample_in_program,
@@ -114,6 +115,71 @@ def test_logprobs_are_vllms_in_every_mode(mode: str, all_greedy: bool) -> None:
             torch.testing.assert_close(got, want)
 
 
+# Each row's prompt and outputs so far (repeats, so that every penalty acts).
+PROMPTS = [[1, 2, 3], [4, 4], [5, 6, 7, 5], [8], [9, 10], [11, 12, 11]]
+OUTPUTS = [[3, 3, 20], [], [7, 21], [8, 8, 8, 22], [23], [12, 24, 24]]
+
+
+def _with_penalties(metadata: SamplingMetadata) -> SamplingMetadata:
+    """vLLM's input batch: the prompts padded with the vocabulary size, the
+    outputs as lists; a penalty of each kind on different rows."""
+    width = max(map(len, PROMPTS))
+    prompts = [p + [VOCAB] * (width - len(p)) for p in PROMPTS]
+    return replace(
+        metadata,
+        no_penalties=False,
+        prompt_token_ids=torch.tensor(prompts),
+        presence_penalties=torch.tensor([0.5, 0.0, 0.0, 1.0, 0.0, -0.5]),
+        frequency_penalties=torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0, 0.2]),
+        repetition_penalties=torch.tensor([1.0, 1.2, 1.5, 1.0, 0.8, 1.3]),
+        output_token_ids=[list(o) for o in OUTPUTS],
+    )
+
+
+def _pasts(width: int = 16) -> Pasts:
+    """The device histories: prompt then outputs, garbage past them."""
+    history = torch.full((ROWS, width), 2, dtype=torch.int64)
+    for row, (prompt, outputs) in enumerate(zip(PROMPTS, OUTPUTS)):
+        tokens = prompt + outputs
+        history[row, : len(tokens)] = torch.tensor(tokens)
+    return Pasts(
+        history,
+        torch.tensor([len(p) + len(o) for p, o in zip(PROMPTS, OUTPUTS)]),
+        torch.tensor([len(p) for p in PROMPTS]),
+    )
+
+
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_penalties_sample_as_vllms_sampler(mode: str) -> None:
+    """Presence, frequency and repetition penalties read from the device
+    histories (``penalize_queries``, one query per row), then the sampling
+    program: vLLM's tokens and logprobs, the raw modes from the logits
+    before the penalties, the processed ones after them."""
+    sampler = Sampler(logprobs_mode=mode)
+    random_rows = tuple(row for row, t in enumerate(TEMPERATURES) if t > 0)
+
+    def metadata() -> SamplingMetadata:
+        made = sampling_metadata(TEMPERATURES, _generators(13, random_rows))
+        return replace(_with_penalties(made), max_num_logprobs=2)
+
+    ours, theirs = metadata(), metadata()
+    assert in_sampling_program(ours)
+    logits = _logits(4)
+    # Row 0 (greedy) would take token 20, which its outputs hold: its
+    # presence penalty moves it to the runner-up.
+    logits[0, 20] = logits[0].max() + 0.1
+    tokens, logprobs = sample_in_program(
+        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _pasts()
+    )
+    expected = sampler(logits.clone(), theirs)
+    assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
+    assert tokens[0] != 20
+    assert logprobs is not None and expected.logprobs_tensors is not None
+    for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want)
+
+
 def test_a_row_that_samples_nothing_draws_nothing() -> None:
     """A prompt chunk that is not the last: its generator stays, so the seed
     gives the same tokens however the prompt is chunked."""
@@ -154,17 +220,17 @@ def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
 
 
 def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
-    """Penalties, bad words, allowed tokens, whole-vocabulary logprobs, a
-    built-in processor with a row to act on, and any processor of the
-    user's."""
+    """Bad words, allowed tokens, whole-vocabulary logprobs, a built-in
+    processor with a row to act on, and any processor of the user's; not
+    penalties, which the programs apply."""
     plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
     assert in_sampling_program(plain)
     bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
     params = SamplingParams(logit_bias={3: 5.0})
     bias.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
     users = CountingStopProcessor(None, torch.device("cpu"), False)
+    assert in_sampling_program(_with_penalties(plain))
     needs_more = [
-        replace(plain, no_penalties=False),
         replace(plain, bad_words_token_ids={0: [[3]]}),
         replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
         replace(plain, max_num_logprobs=-1),

@@ -65,11 +65,6 @@ class Speculation:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
-    @property
-    def history_len(self) -> int:
-        """Columns of the device histories: every position a token can take."""
-        return self.max_model_len + 1 + self.num_tokens
-
 
 def _check_options(config: Any) -> None:
     """Options of vLLM's own verify step and proposers that these do not

@@ -75,12 +75,11 @@ def after_prompt_sampling(
     sampled: torch.Tensor,
     tables: "BlockTables",
 ) -> Drafts:
-    """Device side, after a prompt's last chunk sampled its first token: the
-    token into the history, and the first drafts, so the request's first
-    decode step already verifies drafts. Rows that sample nothing write the
-    spare slot and add nothing."""
+    """Device side, after a prompt's last chunk sampled its first token (and
+    the sampling put it into the history): the first drafts, so the
+    request's first decode step already verifies drafts. Rows that sample
+    nothing point at the spare slot and add nothing."""
     ones = torch.ones_like(positions)
-    tokens.accept(slots, positions, sampled[:, None], ones)
     counts = torch.where(slots == SPARE_TOKEN_SLOT, 0, ones)
     proposer.propose(
         tokens, AcceptedTokens(slots, positions, sampled[:, None], counts, tables)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_neuron_sched.worker.inputs import StepInputs
 from vllm_neuron_sched.worker.results import Sampled
 from vllm_neuron_sched.worker.spec.proposer import after_prompt_sampling
 from vllm_neuron_sched.worker.spec.verify import VerifyStep
@@ -17,38 +16,19 @@ from vllm_neuron_sched.worker.steps import PrefillStep, StepKinds, StepRows
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.worker.gpu_input_batch import InputBatch
 
     from vllm_neuron_sched.worker.host_state import HostRequestState, StepUpdate
-    from vllm_neuron_sched.worker.layout import Tokens
-    from vllm_neuron_sched.worker.lora import StepAdapters
     from vllm_neuron_sched.worker.sampling import StepMasks
     from vllm_neuron_sched.worker.steps import StepContext
 
-# (token slots, positions, token ids) a prefill step writes into the device
-# histories.
-HistoryWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
 
 class ProposingPrefillStep(PrefillStep):
-    """A prefill step whose prompt tokens also go into the device histories
-    the n-gram proposer reads (and through the draft model, when that
-    proposes), and whose last chunks' first tokens get their first drafts,
-    so a request's first decode step already verifies drafts."""
+    """A prefill step that also feeds the proposer (the draft model, when
+    that proposes; the n-gram proposer reads the device histories every
+    step writes), and whose last chunks' first tokens get their first
+    drafts, so a request's first decode step already verifies drafts."""
 
     drafts = True
-
-    def __init__(
-        self,
-        inputs: StepInputs,
-        num_new_tokens: np.ndarray,
-        history_writes: HistoryWrites,
-        next_positions: torch.Tensor,
-        adapters: "StepAdapters | None" = None,
-    ) -> None:
-        super().__init__(inputs, num_new_tokens, adapters)
-        self.history_writes = history_writes
-        self.next_positions = next_positions
 
     @classmethod
     def build(
@@ -68,19 +48,11 @@ class ProposingPrefillStep(PrefillStep):
         return cls(
             inputs,
             inputs.is_sampled.astype(np.int64) + rows.num_drafts,
-            _history_writes(
-                update.batch,
-                update.num_cached_prompt_tokens,
-                update.token_slots,
-                inputs.layout.tokens,
-            ),
-            torch.from_numpy(rows.num_computed + rows.num_run),
             cls.adapters_of(ctx, update, inputs),
         )
 
     def run_model_on_device(self, ctx: "StepContext") -> torch.Tensor:
         assert ctx.proposer is not None
-        ctx.token_table.record(*self.history_writes)
         hidden_states = super().run_model_on_device(ctx)
         ctx.proposer.prefill(self.inputs)
         return hidden_states
@@ -102,32 +74,11 @@ class ProposingPrefillStep(PrefillStep):
                 ctx.proposer,
                 ctx.token_table,
                 self.inputs.sample_slots,
-                self.next_positions,
+                self.inputs.next_positions,
                 sampled.tokens,
                 self.inputs.layout.tables,
             )
         return replace(sampled, drafts=drafts)
-
-
-def _history_writes(
-    batch: "InputBatch",
-    num_cached_prompt_tokens: np.ndarray,
-    token_slots: np.ndarray,
-    tokens: "Tokens",
-) -> HistoryWrites:
-    """Every prompt token the step runs, and a new request's prefix-cache
-    hit, which it does not run but the n-gram proposer reads."""
-    hit_rows = np.flatnonzero(num_cached_prompt_tokens)
-    hits = num_cached_prompt_tokens[hit_rows]
-    hit_rows_of_token = np.repeat(hit_rows, hits)
-    hit_positions = np.arange(int(hits.sum())) - np.repeat(np.cumsum(hits) - hits, hits)
-    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token])
-    columns = np.concatenate([hit_positions, tokens.positions])
-    return (
-        torch.from_numpy(token_slots[rows]),
-        torch.from_numpy(columns),
-        torch.from_numpy(batch.token_ids_cpu[rows, columns].astype(np.int32)),
-    )
 
 
 SPECULATIVE_STEPS = StepKinds(
