@@ -39,8 +39,8 @@ def compiled_llm(checkpoint_dir: str) -> Iterator[Any]:
 
 
 def _params() -> list[dict[str, Any]]:
-    """The mixed workload, one request with penalties and min_tokens (the
-    verify step's compiled constraints) and one with bad words (eager)."""
+    """The mixed workload, one request with penalties and min_tokens and
+    one with bad words (the verify step's compiled constraints)."""
     params = mixed_greedy()
     params[2].update(
         repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2
@@ -73,6 +73,7 @@ def test_compiled_serves_stock_tokens_without_compiling(
         "propose_ngram_drafts": 3,
         "mask_min_tokens": 6,
         "penalize_queries": 6,
+        "mask_bad_words": 6,
     }
     for name, shapes in before["program_shapes"].items():
         assert before["program_graphs"][name] >= shapes
@@ -84,5 +85,5 @@ def test_compiled_serves_stock_tokens_without_compiling(
     # Prompts sample in the program (penalties in theirs), verify steps in
     # rejection sampling's.
     assert calls["sample_rows"] > 0 and calls["accept_drafts"] > 0
-    assert calls["penalize_queries"] > 0
+    assert calls["penalize_queries"] > 0 and calls["mask_bad_words"] > 0
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

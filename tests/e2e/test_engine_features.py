@@ -117,18 +117,18 @@ STOPS = list(range(100, 700))
 
 def _requests(processors: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The mixed prompts greedy, logprobs everywhere, prompt logprobs on two,
-    penalties on one; ``min_tokens`` with stops it reaches (and penalties),
-    alone and under a choice grammar; with processors, first (their prompts
-    fit the first step: the counting processor counts the steps that hold a
-    request, and stock samples a prompt's every chunk, we its last), one
-    request for each."""
+    penalties and bad words on one; ``min_tokens`` with stops it reaches
+    (and penalties), alone and under a choice grammar; with processors,
+    first (their prompts fit the first step: the counting processor counts
+    the steps that hold a request, and stock samples a prompt's every chunk,
+    we its last), one request for each."""
     greedy = {"temperature": 0.0, "max_tokens": 10, "logprobs": 3}
     prompts = mixed_prompts() + token_prompts([9, 6], stride=3, salt=7)
     params: list[dict[str, Any]] = [
         {**greedy, "ignore_eos": True} for _ in mixed_prompts()
     ]
     params[1]["prompt_logprobs"] = params[4]["prompt_logprobs"] = 2
-    params[2].update(presence_penalty=0.5, repetition_penalty=1.1)
+    params[2].update(presence_penalty=0.5, repetition_penalty=1.1, bad_words=["qu"])
     params += [
         {
             **greedy,
@@ -243,11 +243,11 @@ def test_engine_settings_in_pairs_equal_stock(
         )
         verify = {"accept_drafts", "propose_ngram_drafts"}
         assert (verify <= set(graphs["program_graphs"])) == (mode == "async_ngram")
-        # Steps sample in the programs, penalties included, except where the
-        # user's processors are (vLLM's sampler runs them).
-        assert (calls["sample_rows"] > 0) == (not PROCESSORS[processors])
-        penalized = calls["penalize_queries"] > 0
-        assert penalized == (not PROCESSORS[processors]), calls
+        # Steps sample in the programs, penalties and bad words included,
+        # except where the user's processors are (vLLM's sampler runs them).
+        in_programs = not PROCESSORS[processors]
+        for program in ("sample_rows", "penalize_queries", "mask_bad_words"):
+            assert (calls[program] > 0) == in_programs, calls
     theirs = stock(model, logprobs_mode, dtype, processors)
     for i, (record, expected) in enumerate(zip(ours, theirs, strict=True)):
         if dtype == "bfloat16":

@@ -67,6 +67,11 @@ class RequestLimits:
     # LoRA adapters are on (--enable-lora): the LM head's LoRA layer takes one
     # logits row per request, so prompt logprobs are refused.
     lora: bool = False
+    # The compiled device lays a step's bad words out at one declared shape:
+    # at most this many tokens per request (vLLM's
+    # VLLM_MAX_BAD_WORDS_TOTAL_TOKENS, which its GPU runner holds too).
+    # None: any.
+    max_bad_words_tokens: int | None = None
 
     @classmethod
     def from_config(cls, vllm_config: "VllmConfig") -> "RequestLimits":
@@ -86,6 +91,11 @@ class RequestLimits:
             or scheduler_config.max_num_batched_tokens
         )
         depth = 2 if scheduler_config.async_scheduling else 1
+        max_bad_words_tokens = None
+        if envs.VLLM_NEURON_SCHED_DEVICE == "compiled":
+            from vllm import envs as vllm_envs
+
+            max_bad_words_tokens = vllm_envs.VLLM_MAX_BAD_WORDS_TOTAL_TOKENS
         return cls(
             max_model_len,
             tkv_limit,
@@ -95,6 +105,7 @@ class RequestLimits:
             spec_lookahead=depth * vllm_config.num_speculative_tokens
             + vllm_config.num_lookahead_tokens,
             lora=vllm_config.lora_config is not None,
+            max_bad_words_tokens=max_bad_words_tokens,
         )
 
     def check_sampling(self, params: object) -> str | None:
@@ -107,6 +118,8 @@ class RequestLimits:
         every logprobs mode (``verify_logprobs``). Logit bias and min_p, which
         vLLM itself refuses with speculative decoding, are refused rather than
         run wrong."""
+        if error := self._check_bad_words(params):
+            return error
         if self.lora and getattr(params, "prompt_logprobs", None) is not None:
             # vLLM 0.32's own CPU runner fails the engine on it.
             return (
@@ -132,6 +145,21 @@ class RequestLimits:
             "on vllm_neuron_sched (temperature, top_k, top_p, seed, penalties, "
             "allowed_token_ids, min_tokens, bad_words, structured_outputs, "
             "logprobs and prompt_logprobs can)"
+        )
+
+    def _check_bad_words(self, params: object) -> str | None:
+        """Tokenized bad words (the engine sees them so; the front end still
+        holds the text) beyond the compiled device's declared shape."""
+        limit = self.max_bad_words_tokens
+        words = getattr(params, "bad_words_token_ids", None) or ()
+        num_tokens = sum(map(len, words))
+        if limit is None or num_tokens <= limit:
+            return None
+        return (
+            f"bad_words tokenize to {num_tokens} tokens, more than the "
+            f"{limit} per request the compiled device's bad-words program "
+            "is compiled for (VLLM_MAX_BAD_WORDS_TOTAL_TOKENS, vLLM's own "
+            "limit); use fewer bad words, or raise it before the server starts"
         )
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:

@@ -264,14 +264,14 @@ def compile_programs(
     on_device: Callable[..., Any],
     what: str,
 ) -> Programs:
-    """Compiles each declared program at each of its declared shapes (its
+    """Compiles each program at each of its declared shapes (its
     ``examples``, on the device's thread), checks that a second pass compiles
     nothing, and returns the programs that hold the step to those graphs
-    (``options``: torch.compile's, ``compile_options``). A program not
-    declared (``Program.declared``), or with no shape here (the n-gram
-    proposal without an n-gram proposer), stays eager."""
-    examples = {p.name: list(p.examples(dims)) for p in PROGRAMS if p.declared}
-    declared = [p for p in PROGRAMS if examples.get(p.name)]
+    (``options``: torch.compile's, ``compile_options``), bad words laid out
+    at their declared shape. A program with no shape here (the n-gram
+    proposal without an n-gram proposer) stays eager."""
+    examples = {p.name: list(p.examples(dims)) for p in PROGRAMS}
+    declared = [p for p in PROGRAMS if examples[p.name]]
     compiled = {p.name: CompiledProgram(p, dims.rows, **options) for p in declared}
     # Dynamo's limit counts an earlier engine's graphs too.
     on_device(
@@ -297,4 +297,4 @@ def compile_programs(
         ", ".join(f"{name} {len(examples[name])}" for name in compiled),
         ", ".join(p.name for p in PROGRAMS if p.name not in compiled) or "none",
     )
-    return dataclasses.replace(Programs(), **compiled)
+    return dataclasses.replace(Programs(), **compiled, bad_words_shape=dims.bad_words)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm import envs as vllm_envs
 from vllm.config import CompilationMode
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
@@ -356,9 +357,9 @@ class NeuronSchedModelRunner:
         logger.info("Warming up done.")
 
     def _compile_programs(self, spec: Speculation | None, on_device: Any) -> None:
-        """The programs around the forward (sampling; with speculation the
-        verify step's and the n-gram proposal) compiled per decode bucket, in
-        place of the eager ones."""
+        """The programs around the forward (sampling, penalties and bad
+        words; with speculation the verify step's and the n-gram proposal)
+        compiled per decode bucket, in place of the eager ones."""
         is_ngram = isinstance(self.ctx.proposer, NgramProposer)
         dims = Dimensions(
             rows=self.ctx.buckets.decode,
@@ -366,6 +367,11 @@ class NeuronSchedModelRunner:
             history_len=self.ctx.token_table.history_len,
             noise_dtype=noise_dtype(self.ctx.sampler),
             logprobs_mode=self.ctx.sampler.logprobs_mode,
+            # vLLM's limits per request, as its GPU runner lays them out.
+            bad_words=(
+                vllm_envs.VLLM_MAX_NUM_BAD_WORDS,
+                vllm_envs.VLLM_MAX_BAD_WORDS_TOTAL_TOKENS,
+            ),
         )
         if spec is not None:  # no verify step without: no shape declared
             dims = replace(

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from vllm_neuron_sched.worker.sampling import Draws, raw_scores, sample_rows
-from vllm_neuron_sched.worker.spec.constraints import (
+from vllm_neuron_sched.worker.history_rules import (
+    BadWords,
     mask_bad_words,
-    mask_min_tokens,
     penalize_queries,
 )
+from vllm_neuron_sched.worker.sampling import Draws, raw_scores, sample_rows
+from vllm_neuron_sched.worker.spec.constraints import mask_min_tokens
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import Randomness, accept_drafts
 
@@ -41,6 +42,8 @@ class Dimensions:
     min_n: int = 0  # the n-gram proposer's; 0: none
     max_n: int = 0
     max_model_len: int = 1
+    # The bad words per row, (words, tokens): vLLM's limits per request.
+    bad_words: tuple[int, int] = (1, 1)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -57,9 +60,6 @@ class Program:
     name: str
     function: Callable[..., Any]
     examples: Examples
-    # Compiled per declared shape on the compiled device. Bad words are not
-    # yet: their words' count and length are the request's, not declared.
-    declared: bool = True
 
 
 def _verify_shapes(dims: Dimensions) -> Iterator[tuple[int, int]]:
@@ -186,16 +186,23 @@ def _penalties_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 
 def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
-    """At four words of up to four tokens (``plan_bad_words`` pads a step's
-    to powers of two)."""
-    for rows, width in _verify_shapes(dims):
+    """A plain step's sampling (width 1) and a verify step's, the words at
+    the declared shape (``plan_bad_words`` lays a step's out there)."""
+    num_words, num_tokens = dims.bad_words
+    for rows, width in itertools.product(dims.rows, dims.widths):
+        flat = torch.zeros(rows, num_tokens, dtype=torch.int64)
         yield (
             _queries(rows, width, dims),
             _history(rows, width, dims),
             torch.zeros(rows, width, dtype=torch.int64),
             _rows_of(rows),
-            torch.zeros(rows, 4, 4, dtype=torch.int64),
-            torch.zeros(rows, 4, dtype=torch.int64),
+            BadWords(
+                flat,
+                flat,
+                flat,
+                torch.zeros(rows, num_words, dtype=torch.int64),
+                torch.zeros(rows, num_words, dtype=torch.bool),
+            ),
         )
 
 
@@ -206,14 +213,15 @@ PROGRAMS: tuple[Program, ...] = (
     Program("propose_ngram_drafts", propose_ngram_drafts, _ngram_examples),
     Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
     Program("penalize_queries", penalize_queries, _penalties_examples),
-    Program("mask_bad_words", mask_bad_words, _bad_words_examples, declared=False),
+    Program("mask_bad_words", mask_bad_words, _bad_words_examples),
 )
 
 
 @dataclass(frozen=True)
 class Programs:
     """The programs a step runs, by name: the functions themselves (eager),
-    or each compiled per declared shape (``compiled.compile_programs``)."""
+    or each compiled per declared shape (``compiled.compile_programs``); and
+    the shape a step lays its bad words out at (None: powers of two)."""
 
     sample_rows: Callable[..., Any] = sample_rows
     raw_scores: Callable[..., Any] = raw_scores
@@ -222,6 +230,7 @@ class Programs:
     mask_min_tokens: Callable[..., Any] = mask_min_tokens
     penalize_queries: Callable[..., Any] = penalize_queries
     mask_bad_words: Callable[..., Any] = mask_bad_words
+    bad_words_shape: tuple[int, int] | None = None
 
 
 EAGER = Programs()

@@ -1,15 +1,16 @@
 """On-device sampling and what the host hands it.
 
 A step's rows sample on the device with the device's logits processors and
-output histories (``sampling_state.py``). A step that needs only penalties,
-temperature, top-k, top-p, seeds and top-n logprobs samples in programs of
-fixed shape: the penalties over the device histories (``penalize_queries``),
-then ``sample_rows`` after its per-request draws (``draw_sampling``); one
-that needs more (bad words, allowed tokens, whole-vocabulary logprobs, a
-logits processor with work to do) runs vLLM's ``Sampler``. On a threaded
-device the rest of what it reads is a snapshot taken at enqueue, because the
-main thread builds the next step while this one samples; an inline device
-samples at enqueue and reads the batch as it is.
+output histories (``sampling_state.py``). A step that needs only bad words,
+penalties, temperature, top-k, top-p, seeds and top-n logprobs samples in
+programs of fixed shape: the bad words and penalties over the device
+histories (``history_rules.py``), then ``sample_rows`` after its
+per-request draws (``draw_sampling``); one that needs more (allowed tokens,
+whole-vocabulary logprobs, a logits processor with work to do) runs vLLM's
+``Sampler``. On a threaded device the rest of what it reads is a snapshot
+taken at enqueue, because the main thread builds the next step while this
+one samples; an inline device samples at enqueue and reads the batch as it
+is.
 """
 
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_neuron_sched.worker.history_rules import BadWords
     from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.sampling_state import SamplingState
@@ -116,7 +118,9 @@ def sample_on_device(
             rows = SimpleNamespace(req_ids=grammar.req_ids)
             apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
         if in_sampling_program(metadata):
-            pasts = None if metadata.no_penalties else Pasts.of(tokens, inputs)
+            pasts = None
+            if not metadata.no_penalties or inputs.bad_words is not None:
+                pasts = Pasts.of(tokens, inputs)
             sampled, logprobs = sample_in_program(
                 sampler, programs, logits, metadata, is_sampled, pasts
             )
@@ -135,20 +139,22 @@ def sample_on_device(
 
 @dataclass(frozen=True)
 class Pasts:
-    """What the penalties read of each row: its device history, its tokens
-    before the one it samples (``ends``), the first ``prompt_lens`` of them
-    its prompt. The device's, not the host's: under async scheduling the
-    host's history still ends in placeholders."""
+    """What the penalties and the bad words read of each row
+    (``history_rules.py``): its device history, its tokens before the one
+    it samples (``ends``), the first ``prompt_lens`` of them its prompt; and
+    the rows' bad words. The device's history, not the host's: under async
+    scheduling the host's still ends in placeholders."""
 
     history: torch.Tensor  # [rows, history width] int64
     ends: torch.Tensor  # [rows] int64
     prompt_lens: torch.Tensor  # [rows] int64
+    bad_words: "BadWords | None" = None
 
     @classmethod
     def of(cls, tokens: "DeviceTokens", inputs: "StepInputs") -> "Pasts":
         slots = torch.from_numpy(inputs.token_slots)
         history = tokens.histories_of(slots).long()
-        return cls(history, inputs.next_positions, inputs.prompt_lens)
+        return cls(history, inputs.next_positions, inputs.prompt_lens, inputs.bad_words)
 
 
 def sample_in_program(
@@ -159,20 +165,20 @@ def sample_in_program(
     is_sampled: np.ndarray,
     pasts: Pasts | None = None,
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
-    """The draws, the penalties (``pasts``: where a row has any), the
-    sampling program, then the logprobs' top-n (the request's n: vLLM's
-    gather, on the scores the programs give). A raw logprobs mode reads the
-    logits before the penalties (``raw_scores``), as vLLM's sampler does."""
+    """The draws, the bad words and the penalties (``pasts``: where a row
+    has any, in vLLM's order), the sampling program, then the logprobs'
+    top-n (the request's n: vLLM's gather, on the scores the programs give).
+    A raw logprobs mode reads the logits before the bad words and the
+    penalties (``raw_scores``), as vLLM's sampler does."""
     num_logprobs = metadata.max_num_logprobs
     draws = draw_sampling(metadata, is_sampled, logits.shape[1], noise_dtype(sampler))
     scores_mode = None if num_logprobs is None else sampler.logprobs_mode
     scores = None
     logits = logits.float()  # as vLLM's sampler takes them
-    if not metadata.no_penalties:
-        assert pasts is not None, "penalties read the rows' pasts"
+    if pasts is not None:
         if scores_mode is not None and scores_mode.startswith("raw"):
             scores, scores_mode = programs.raw_scores(logits, scores_mode), None
-        logits = _penalized(programs, logits, metadata, pasts)
+        logits = _apply_history_rules(programs, logits, metadata, pasts)
     sampled, processed = programs.sample_rows(logits, draws, scores_mode)
     scores = processed if scores is None else scores
     logprobs = None
@@ -182,27 +188,34 @@ def sample_in_program(
     return sampled.to(torch.int32), logprobs
 
 
-def _penalized(
+def _apply_history_rules(
     programs: "Programs",
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
     pasts: Pasts,
 ) -> torch.Tensor:
-    """vLLM's penalties as a verify step's queries take them, one query per
-    row (``penalize_queries``)."""
+    """vLLM's bad words, then its penalties, as a verify step's queries take
+    them, one query per row (``mask_bad_words``, ``penalize_queries``)."""
     rows = logits.shape[0]
-    assert metadata.presence_penalties is not None
-    assert metadata.frequency_penalties is not None
-    assert metadata.repetition_penalties is not None
-    return programs.penalize_queries(
-        logits[:, None],
-        pasts.history,
-        pasts.ends[:, None],
-        pasts.prompt_lens,
-        metadata.presence_penalties[:rows],
-        metadata.frequency_penalties[:rows],
-        metadata.repetition_penalties[:rows],
-    )[:, 0]
+    queries, ends = logits[:, None], pasts.ends[:, None]
+    if pasts.bad_words is not None:
+        queries = programs.mask_bad_words(
+            queries, pasts.history, ends, pasts.prompt_lens, pasts.bad_words
+        )
+    if not metadata.no_penalties:
+        assert metadata.presence_penalties is not None
+        assert metadata.frequency_penalties is not None
+        assert metadata.repetition_penalties is not None
+        queries = programs.penalize_queries(
+            queries,
+            pasts.history,
+            ends,
+            pasts.prompt_lens,
+            metadata.presence_penalties[:rows],
+            metadata.frequency_penalties[:rows],
+            metadata.repetition_penalties[:rows],
+        )
+    return queries[:, 0]
 
 
 def _vllm_sample(
@@ -227,8 +240,8 @@ def _vllm_sample(
 
 def in_sampling_program(metadata: "SamplingMetadata") -> bool:
     """Whether a step's rows need nothing of vLLM's sampler beyond
-    penalties, temperature, top-k, top-p, seeds and top-n logprobs
-    (``penalize_queries``, ``sample_rows``): no bad words, allowed tokens,
+    bad words, penalties, temperature, top-k, top-p, seeds and top-n
+    logprobs (``history_rules.py``, ``sample_rows``): no allowed tokens,
     whole-vocabulary logprobs or logprobs of given tokens, and no logits
     processor with a row to act on (vLLM's built-in ones report theirs; the
     user's may act on any step, so vLLM's sampler runs them)."""
@@ -236,7 +249,6 @@ def in_sampling_program(metadata: "SamplingMetadata") -> bool:
         metadata.max_num_logprobs != -1
         and not metadata.logprob_token_ids
         and metadata.allowed_token_ids_mask is None
-        and not metadata.bad_words_token_ids
         and all(map(_idle, metadata.logitsprocs.all))
     )
 

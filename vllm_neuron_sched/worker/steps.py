@@ -266,6 +266,7 @@ class TokensStep:
             ctx.kv_cache.attn_groups,
             ctx.max_model_len,
             update.num_cached_prompt_tokens,
+            ctx.programs.bad_words_shape,
         )
 
     @classmethod

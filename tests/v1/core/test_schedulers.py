@@ -453,6 +453,36 @@ def test_request_that_can_never_fit_is_finished_with_error(
 
 
 @MODES
+def test_bad_words_beyond_the_compiled_shape_are_finished_with_error(
+    mode: Mode, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled device lays bad words out at vLLM's per-request token
+    limit: a request past it gets an error naming the limit, and a request
+    within it is served."""
+    monkeypatch.setenv("VLLM_NEURON_SCHED_DEVICE", "compiled")
+    monkeypatch.setenv("VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", "4")
+    scheduler = build_scheduler(
+        mode.cls, checkpoint_dir, async_scheduling=mode.is_async
+    )
+    fits, too_many = req("fits", 10, 3), req("too_many", 10, 3)
+    # As the engine core receives them: tokenized by vLLM's input processor.
+    fits.sampling_params._bad_words_token_ids = [[1, 2], [3, 4]]
+    too_many.sampling_params._bad_words_token_ids = [[1, 2], [3, 4, 5]]
+    scheduler.add_request(fits)
+    scheduler.add_request(too_many)
+    so = scheduler.schedule()
+    first = LoopResult()
+    first.collect(
+        scheduler.update_from_output(so, RecordingRunner().execute(so, scheduler))
+    )
+    assert first.finish_reasons == {"too_many": "error"}
+    assert "VLLM_MAX_BAD_WORDS_TOTAL_TOKENS" in scheduler.limits.check_sampling(
+        too_many.sampling_params
+    )
+    assert "fits" in so.num_scheduled_tokens
+
+
+@MODES
 def test_rejection_reaches_client_on_idle_engine(
     mode: Mode, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,8 +14,8 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.runtime import make_device
 from vllm_neuron_sched.testing.sampling import sampling_metadata
+from vllm_neuron_sched.worker.history_rules import plan_bad_words
 from vllm_neuron_sched.worker.programs import EAGER
-from vllm_neuron_sched.worker.spec.constraints import plan_bad_words
 from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
 from vllm_neuron_sched.worker.spec.verify import VerifyPlan
 from vllm_neuron_sched.worker.token_table import DeviceTokens

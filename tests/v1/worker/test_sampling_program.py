@@ -17,6 +17,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.testing.logits_processors import CountingStopProcessor
 from vllm_neuron_sched.testing.sampling import sampling_metadata
+from vllm_neuron_sched.worker.history_rules import plan_bad_words
 from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.sampling import (
     Pasts,
@@ -120,9 +121,15 @@ PROMPTS = [[1, 2, 3], [4, 4], [5, 6, 7, 5], [8], [9, 10], [11, 12, 11]]
 OUTPUTS = [[3, 3, 20], [], [7, 21], [8, 8, 8, 22], [23], [12, 24, 24]]
 
 
+# Bad words on some rows: one-token, a prefix the outputs end with (row 3:
+# its 22 then 30), one whose prefix reaches into the prompt (never masks).
+BAD_WORDS = {0: [[41]], 3: [[22, 30], [7, 8, 31]], 5: [[11, 12, 24, 24, 32]]}
+
+
 def _with_penalties(metadata: SamplingMetadata) -> SamplingMetadata:
     """vLLM's input batch: the prompts padded with the vocabulary size, the
-    outputs as lists; a penalty of each kind on different rows."""
+    outputs as lists; a penalty of each kind on different rows, and the bad
+    words."""
     width = max(map(len, PROMPTS))
     prompts = [p + [VOCAB] * (width - len(p)) for p in PROMPTS]
     return replace(
@@ -133,6 +140,7 @@ def _with_penalties(metadata: SamplingMetadata) -> SamplingMetadata:
         frequency_penalties=torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0, 0.2]),
         repetition_penalties=torch.tensor([1.0, 1.2, 1.5, 1.0, 0.8, 1.3]),
         output_token_ids=[list(o) for o in OUTPUTS],
+        bad_words_token_ids=BAD_WORDS,
     )
 
 
@@ -146,15 +154,16 @@ def _pasts(width: int = 16) -> Pasts:
         history,
         torch.tensor([len(p) + len(o) for p, o in zip(PROMPTS, OUTPUTS)]),
         torch.tensor([len(p) for p in PROMPTS]),
+        plan_bad_words(ROWS, BAD_WORDS),
     )
 
 
 @pytest.mark.parametrize("mode", LOGPROBS_MODES)
-def test_penalties_sample_as_vllms_sampler(mode: str) -> None:
-    """Presence, frequency and repetition penalties read from the device
-    histories (``penalize_queries``, one query per row), then the sampling
-    program: vLLM's tokens and logprobs, the raw modes from the logits
-    before the penalties, the processed ones after them."""
+def test_bad_words_and_penalties_sample_as_vllms_sampler(mode: str) -> None:
+    """Bad words, then presence, frequency and repetition penalties, read
+    from the device histories (``history_rules.py``, one query per row),
+    then the sampling program: vLLM's tokens and logprobs, the raw modes
+    from the logits before them, the processed ones after."""
     sampler = Sampler(logprobs_mode=mode)
     random_rows = tuple(row for row, t in enumerate(TEMPERATURES) if t > 0)
 
@@ -168,12 +177,14 @@ def test_penalties_sample_as_vllms_sampler(mode: str) -> None:
     # Row 0 (greedy) would take token 20, which its outputs hold: its
     # presence penalty moves it to the runner-up.
     logits[0, 20] = logits[0].max() + 0.1
+    # Row 3 (greedy) would take 30, which its bad word [22, 30] rules out.
+    logits[3, 30] = logits[3].max() + 5.0
     tokens, logprobs = sample_in_program(
         sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _pasts()
     )
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
-    assert tokens[0] != 20
+    assert tokens[0] != 20 and tokens[3] != 30
     assert logprobs is not None and expected.logprobs_tensors is not None
     for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
         if isinstance(want, torch.Tensor):
@@ -220,9 +231,9 @@ def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
 
 
 def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
-    """Bad words, allowed tokens, whole-vocabulary logprobs, a built-in
-    processor with a row to act on, and any processor of the user's; not
-    penalties, which the programs apply."""
+    """Allowed tokens, whole-vocabulary logprobs, a built-in processor with
+    a row to act on, and any processor of the user's; not penalties or bad
+    words, which the programs apply."""
     plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
     assert in_sampling_program(plain)
     bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
@@ -230,8 +241,8 @@ def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
     bias.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
     users = CountingStopProcessor(None, torch.device("cpu"), False)
     assert in_sampling_program(_with_penalties(plain))
+    assert in_sampling_program(replace(plain, bad_words_token_ids={0: [[3]]}))
     needs_more = [
-        replace(plain, bad_words_token_ids={0: [[3]]}),
         replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
         replace(plain, max_num_logprobs=-1),
         replace(plain, logitsprocs=LogitsProcessors([bias])),

@@ -15,12 +15,13 @@ from vllm_neuron_sched.worker.compiled import (
     ShapeNotCompiledError,
     compile_programs,
 )
-from vllm_neuron_sched.worker.programs import PROGRAMS, Dimensions, Program
-from vllm_neuron_sched.worker.spec.constraints import (
+from vllm_neuron_sched.worker.history_rules import (
     mask_bad_words,
-    mask_min_tokens,
     penalize_queries,
+    plan_bad_words,
 )
+from vllm_neuron_sched.worker.programs import PROGRAMS, Dimensions, Program
+from vllm_neuron_sched.worker.spec.constraints import mask_min_tokens
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
@@ -33,6 +34,7 @@ VOCAB = 64
 DECODE_BUCKETS = (1, 2, 4, 8)
 WIDTHS = (1, 1 + K)  # a verify step without drafts, and with
 HISTORY_LEN = 48
+BAD_WORDS_SHAPE = (4, 16)  # words, tokens per row
 
 
 def _graphs_per_shape(
@@ -165,10 +167,17 @@ def _bad_words_inputs(rows: int, width: int) -> tuple[Any, ...]:
     lengths = torch.randint(4, HISTORY_LEN, (rows,), generator=generator)
     ends = lengths[:, None] + torch.arange(width)[None, :]
     first_output = torch.randint(1, 4, (rows,), generator=generator)
-    # Four words of up to four tokens from a small alphabet, so some match.
-    words = torch.randint(0, 3, (rows, 4, 4), generator=generator)
-    word_lens = torch.randint(0, 5, (rows, 4), generator=generator)
-    return queries, history, ends, first_output, words, word_lens
+    # Up to four words of up to four tokens from a small alphabet, so some
+    # match; laid out at the declared shape.
+    words = {
+        row: [
+            torch.randint(0, 3, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 5, (int(count),), generator=generator)
+        ]
+        for row, count in enumerate(torch.randint(0, 5, (rows,), generator=generator))
+    }
+    planned = plan_bad_words(rows, words, BAD_WORDS_SHAPE)
+    return queries, history, ends, first_output, planned
 
 
 def test_bad_words_masks_are_one_graph_per_decode_bucket_and_width() -> None:
@@ -203,6 +212,7 @@ DIMS = Dimensions(
     min_n=1,
     max_n=3,
     max_model_len=40,
+    bad_words=BAD_WORDS_SHAPE,
 )
 EAGER_BACKEND = {"fullgraph": True, "dynamic": False, "backend": "eager"}
 
@@ -246,4 +256,6 @@ def test_compiled_programs_pad_rows_to_a_bucket_and_refuse_other_shapes() -> Non
         with pytest.raises(ShapeNotCompiledError, match="program accept_drafts"):
             program(torch.cat([queries, queries], dim=-1), *rest)
     assert program.graphs() == graphs
-    assert programs.mask_bad_words is mask_bad_words  # not declared: eager
+    # The bad words are laid out at the shape their graphs were compiled for.
+    assert isinstance(programs.mask_bad_words, CompiledProgram)
+    assert programs.bad_words_shape == BAD_WORDS_SHAPE

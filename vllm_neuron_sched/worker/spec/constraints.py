@@ -1,13 +1,13 @@
 """What vLLM's sampler applies before sampling, applied to a verify step's
 logits (penalties, bad words, min_tokens, logits processors), so drafts are
-verified against the distribution a plain step would sample from."""
+verified against the distribution a plain step would sample from. The
+penalties and bad words are ``history_rules.py``'s programs, at ``1 + K``
+queries per row."""
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.model_executor.layers.utils import apply_penalties
-from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
@@ -56,12 +56,7 @@ def constrain_verify_logits(
     if bad_words is not None:
         assert history is not None
         queries = programs.mask_bad_words(
-            queries,
-            history,
-            ends,
-            plan.prompt_lens,
-            bad_words.words,
-            bad_words.lengths,
+            queries, history, ends, plan.prompt_lens, bad_words
         )
     # Last of the masks: whether a structured query has a token left is
     # decided over all of them (vLLM's order: its min_tokens processor runs
@@ -142,68 +137,6 @@ def mask_min_tokens(
     return torch.where(emptied[:, :, None], queries, masked)
 
 
-@dataclass(frozen=True)
-class BadWords:
-    """The rows' bad words as tensors the host prepares (``plan_bad_words``):
-    ``words`` [rows, words, length] token ids, each word left-aligned and
-    zero-padded, ``lengths`` [rows, words] (0: no word)."""
-
-    words: torch.Tensor
-    lengths: torch.Tensor
-
-
-def plan_bad_words(
-    num_rows: int, per_row: dict[int, list[list[int]]]
-) -> BadWords | None:
-    """Host side: the rows' tokenized bad words (vLLM's
-    ``SamplingParams.bad_words_token_ids``) padded to powers of two in count
-    and length, so the program runs at one of few shapes whatever the
-    requests ask."""
-    per_row = {row: words for row, words in per_row.items() if words}
-    if not per_row:
-        return None
-    num_words = next_power_of_2(max(len(words) for words in per_row.values()))
-    length = next_power_of_2(max(len(w) for ws in per_row.values() for w in ws))
-    words = torch.zeros(num_rows, num_words, length, dtype=torch.int64)
-    lengths = torch.zeros(num_rows, num_words, dtype=torch.int64)
-    for row, row_words in per_row.items():
-        for i, word in enumerate(row_words):
-            words[row, i, : len(word)] = torch.tensor(word)
-            lengths[row, i] = len(word)
-    return BadWords(words, lengths)
-
-
-def mask_bad_words(
-    queries: torch.Tensor,
-    history: torch.Tensor,
-    ends: torch.Tensor,
-    first_output: torch.Tensor,
-    words: torch.Tensor,
-    lengths: torch.Tensor,
-) -> torch.Tensor:
-    """The device program, vLLM's rule per query: ``queries`` [rows, width,
-    vocab]; ``history`` [rows, span] each row's tokens (its drafts after
-    them); ``ends`` [rows, width] where each query's past ends; ``first_output``
-    [rows] where the row's outputs start (only outputs count, as in vLLM);
-    ``words``/``lengths`` as in ``BadWords``. A word's last token is masked
-    where the past ends with the rest of the word (a one-token word always)."""
-    rows, width, vocab = queries.shape
-    span = history.shape[1]
-    prefix = lengths - 1  # -1 for a padded word
-    starts = ends[:, :, None] - prefix[:, None, :]  # [rows, width, words]
-    match = (lengths > 0)[:, None, :] & (starts >= first_output[:, None, None])
-    for i in range(words.shape[2] - 1):
-        position = (starts + i).clamp(0, span - 1)
-        token = history.gather(1, position.reshape(rows, -1)).view_as(position)
-        match &= (i >= prefix[:, None, :]) | (token == words[:, None, :, i])
-    last = words.gather(2, prefix.clamp(min=0)[..., None])[..., 0]  # [rows, words]
-    # A count per token: two words may end in the same token.
-    hits = torch.zeros(rows, width, vocab, dtype=torch.int32).scatter_add_(
-        2, last[:, None, :].expand(-1, width, -1), match.int()
-    )
-    return queries.masked_fill(hits > 0, -torch.inf)
-
-
 def _histories_with_drafts(
     plan: "VerifyPlan", tokens: "DeviceTokens", lengths: torch.Tensor
 ) -> torch.Tensor:
@@ -219,36 +152,3 @@ def _histories_with_drafts(
             1, columns, tokens.drafts_of(plan.slots, width - 1).long()
         )
     return history
-
-
-def penalize_queries(
-    queries: torch.Tensor,
-    history: torch.Tensor,
-    ends: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """The device program, vLLM's penalties per query (its
-    ``apply_penalties`` does the arithmetic): ``queries`` [rows, width,
-    vocab]; ``history``, ``ends`` as in ``mask_bad_words``; the row's prompt
-    (``prompt_lens``, read from the history, so no batch-wide padding) counts
-    for the repetition penalty, its outputs and the query's drafts for all
-    three; the penalties are [rows]. -> a new tensor."""
-    rows, width, vocab = queries.shape
-    span = history.shape[1]
-    position = torch.arange(span)[None, :]
-    prompts = torch.where(position < prompt_lens[:, None], history, vocab)
-    is_output = (position[:, None, :] >= prompt_lens[:, None, None]) & (
-        position[:, None, :] < ends[:, :, None]
-    )
-    outputs = torch.where(is_output, history[:, None, :], vocab)
-    return apply_penalties(
-        queries.reshape(rows * width, vocab).clone(),
-        prompts.repeat_interleave(width, 0),
-        outputs.reshape(rows * width, span),
-        presence.repeat_interleave(width),
-        frequency.repeat_interleave(width),
-        repetition.repeat_interleave(width),
-    ).view(rows, width, vocab)

@@ -12,6 +12,7 @@ import torch
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
+from vllm_neuron_sched.worker.history_rules import BadWords, plan_bad_words
 from vllm_neuron_sched.worker.layout import (
     BlockTables,
     Sequences,
@@ -26,11 +27,7 @@ from vllm_neuron_sched.worker.results import (
     make_output_materializer,
 )
 from vllm_neuron_sched.worker.sampling import noise_dtype, sampling_inputs
-from vllm_neuron_sched.worker.spec.constraints import (
-    BadWords,
-    constrain_verify_logits,
-    plan_bad_words,
-)
+from vllm_neuron_sched.worker.spec.constraints import constrain_verify_logits
 from vllm_neuron_sched.worker.spec.grammar import (
     VerifyGrammar,
     apply_verify_grammar,
@@ -102,10 +99,12 @@ def plan_verify(
     attn_groups: "list[AttentionGroup]",
     min_tokens: list[MinTokensRow] | None = None,
     bad_words: dict[int, list[list[int]]] | None = None,
+    bad_words_shape: tuple[int, int] | None = None,
 ) -> VerifyPlan:
     """Host side, from the scheduler's decisions only: no position, since the
     scheduler's ``num_computed_tokens`` may count drafts the device rejected
-    (it plans optimistically)."""
+    (it plans optimistically). ``bad_words_shape``: the programs'
+    (``Programs.bad_words_shape``)."""
     num_rows = batch.num_reqs
     return VerifyPlan(
         width=1 + num_spec_tokens if scheduled_drafts.any() else 1,
@@ -119,7 +118,7 @@ def plan_verify(
         groups=attn_groups,
         tables=block_tables(batch, num_rows),
         min_tokens=tuple(min_tokens or ()),
-        bad_words=plan_bad_words(num_rows, bad_words or {}),
+        bad_words=plan_bad_words(num_rows, bad_words or {}, bad_words_shape),
     )
 
 
@@ -264,6 +263,7 @@ class VerifyStep:
             ctx.kv_cache.attn_groups,
             _min_tokens_rows(host, rows.req_ids),
             _bad_words_rows(host, rows.req_ids),
+            ctx.programs.bad_words_shape,
         )
         adapters = None
         if ctx.lora is not None:
