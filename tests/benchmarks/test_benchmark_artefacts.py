@@ -29,6 +29,7 @@ NUM_DECODES = 12
         "benchmarks.pipeline",
         "benchmarks.speculative",
         "benchmarks.host_step",
+        "benchmarks.sampling_step",
         "benchmarks.lora",
     ],
 )

@@ -115,7 +115,7 @@ def mask_bad_words(
     ``first_output`` [rows] where the row's outputs start (only outputs
     count, as in vLLM). A word's last token is masked where the past ends
     with the rest of the word (a one-token word always)."""
-    rows, width, vocab = queries.shape
+    rows, width, _ = queries.shape
     span, num_words = history.shape[1], words.last.shape[1]
     back = words.back[:, None, :]
     # Where each word token must stand in the query's past: [rows, width, T].
@@ -131,8 +131,11 @@ def mask_bad_words(
         2, words.word_of[:, None, :].expand(-1, width, -1), (~holds).int()
     )
     matched = (misses[..., :num_words] == 0) & words.is_word[:, None, :]
-    # A count per token: two words may end in the same token.
-    hits = torch.zeros(rows, width, vocab, dtype=torch.int32).scatter_add_(
-        2, words.last[:, None, :].expand(-1, width, -1), matched.int()
+    # The minimum over each token's words: two words may end in the same
+    # token, and one that matches masks it whatever the other does.
+    return queries.scatter_reduce(
+        2,
+        words.last[:, None, :].expand(-1, width, -1),
+        torch.where(matched, -torch.inf, torch.inf).to(queries.dtype),
+        reduce="amin",
     )
-    return queries.masked_fill(hits > 0, -torch.inf)

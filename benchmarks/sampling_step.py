@@ -1,0 +1,143 @@
+"""What a step's sampling costs, vLLM's sampler against our programs.
+
+``python -m benchmarks.sampling_step [--repeats R] [--calls N]``
+
+At the real model's dimensions (SmolLM2's vocabulary, the benchmarks'
+``max_model_len`` of 1024, decode buckets 1, 2, 4), greedy rows with 200
+prompt and 100 output tokens each: the milliseconds of one step's sampling
+by vLLM's ``Sampler`` (what a step with penalties or bad words ran before
+they became programs), by our programs eager (the inline and thread
+devices) and by our programs compiled per shape with inductor (the compiled
+device: ``compile_programs``, whose cold compile time it also prints). Three
+cases: plain; the three penalties; penalties and two bad words per row.
+Medians over ``R`` repeats of ``N`` calls, two torch threads (the device's).
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+
+import numpy as np
+import torch
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_neuron_sched.testing.sampling import sampling_metadata
+from vllm_neuron_sched.worker.compiled import compile_programs
+from vllm_neuron_sched.worker.history_rules import plan_bad_words
+from vllm_neuron_sched.worker.programs import EAGER, Dimensions
+from vllm_neuron_sched.worker.sampling import Pasts, sample_in_program
+from vllm_neuron_sched.worker.token_table import history_width
+
+VOCAB = 49152  # SmolLM2's
+MAX_MODEL_LEN = 1024  # benchmarks.speculative's engine
+PROMPT, OUTPUT = 200, 100
+BUCKETS = (1, 2, 4)
+# vLLM's per-request bad-words limits (its defaults): the compiled layout.
+BAD_WORDS_SHAPE = (128, 1024)
+
+
+def _case(rows: int, name: str, generator: torch.Generator) -> tuple:
+    """The metadata vLLM's sampler reads and the pasts our programs read."""
+    metadata = sampling_metadata([0.0] * rows)
+    history = torch.randint(0, VOCAB, (rows, history_width(MAX_MODEL_LEN, 0)))
+    outputs = [history[row, PROMPT : PROMPT + OUTPUT].tolist() for row in range(rows)]
+    words = {row: [[11, 12], [int(history[row, -1])]] for row in range(rows)}
+    if name != "plain":
+        metadata = replace(
+            metadata,
+            no_penalties=False,
+            prompt_token_ids=history[:, :PROMPT],
+            presence_penalties=torch.full((rows,), 0.2),
+            frequency_penalties=torch.full((rows,), 0.2),
+            repetition_penalties=torch.full((rows,), 1.1),
+            output_token_ids=outputs,
+        )
+    if name == "bad_words":
+        metadata = replace(metadata, bad_words_token_ids=words)
+    ends = torch.full((rows,), PROMPT + OUTPUT)
+    prompts = torch.full((rows,), PROMPT)
+    pasts = {
+        shape: Pasts(
+            history.long(),
+            ends,
+            prompts,
+            plan_bad_words(rows, words, shape) if name == "bad_words" else None,
+        )
+        for shape in (None, BAD_WORDS_SHAPE)
+    }
+    return torch.randn(rows, VOCAB, generator=generator), metadata, pasts
+
+
+def _vllm(sampler: Sampler, logits: torch.Tensor, metadata: object) -> object:
+    return sampler(logits.clone(), metadata)
+
+
+def _median_ms(call: Callable[[], object], repeats: int, calls: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    start = time.perf_counter()
+    compiled = compile_programs(
+        Dimensions(
+            rows=BUCKETS,
+            vocab=VOCAB,
+            history_len=history_width(MAX_MODEL_LEN, 0),
+            noise_dtype=torch.float32,
+            bad_words=BAD_WORDS_SHAPE,
+        ),
+        {"fullgraph": True, "dynamic": False, "backend": "inductor"},
+        lambda fn, *call_args: fn(*call_args),
+        "sampling_step",
+    )
+    print(f"compile_programs (inductor): {time.perf_counter() - start:.1f} s")
+    sampler = Sampler()
+    generator = torch.Generator().manual_seed(0)
+    print("rows  case       vLLM's sampler  programs eager  programs compiled (ms)")
+    for rows in BUCKETS:
+        for name in ("plain", "penalties", "bad_words"):
+            logits, metadata, pasts = _case(rows, name, generator)
+            sampled = np.ones(rows, dtype=bool)
+            calls = [
+                partial(_vllm, sampler, logits, metadata),
+                partial(
+                    sample_in_program,
+                    sampler,
+                    EAGER,
+                    logits,
+                    metadata,
+                    sampled,
+                    None if name == "plain" else pasts[None],
+                ),
+                partial(
+                    sample_in_program,
+                    sampler,
+                    compiled,
+                    logits,
+                    metadata,
+                    sampled,
+                    None if name == "plain" else pasts[BAD_WORDS_SHAPE],
+                ),
+            ]
+            with torch.inference_mode():
+                times = [_median_ms(call, args.repeats, args.calls) for call in calls]
+            print(f"{rows:4}  {name:9}  " + "  ".join(f"{t:14.2f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
