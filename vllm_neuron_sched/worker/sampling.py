@@ -355,8 +355,8 @@ def logprobs_scores(
 
 def raw_scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
     """The device program for a raw logprobs mode's scores where a step
-    processes its logits before ``sample_rows`` (penalties): read from the
-    logits as the forward gave them."""
+    processes its logits before ``sample_rows`` (bad words, penalties): read
+    from the logits as the forward gave them."""
     return logprobs_scores(logits, logits, mode)
 
 
