@@ -8,8 +8,10 @@ prompt and 100 output tokens each: the milliseconds of one step's sampling
 by vLLM's ``Sampler`` (what a step with penalties or bad words ran before
 they became programs), by our programs eager (the inline and thread
 devices) and by our programs compiled per shape with inductor (the compiled
-device: ``compile_programs``, whose cold compile time it also prints). Three
-cases: plain; the three penalties; penalties and two bad words per row.
+device: ``compile_programs``, whose cold compile time it also prints). Four
+cases: plain; the three penalties; penalties and two bad words per row;
+every rule (those, allowed tokens, ``min_tokens`` and a logit bias: vLLM's
+sampler applies the last two with its built-in processors).
 Medians over ``R`` repeats of ``N`` calls, two torch threads (the device's).
 """
 
@@ -22,13 +24,19 @@ from functools import partial
 
 import numpy as np
 import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.compiled import compile_programs
-from vllm_neuron_sched.worker.history_rules import plan_bad_words
+from vllm_neuron_sched.worker.logits_rules import QueryPasts, plan_rules
 from vllm_neuron_sched.worker.programs import EAGER, Dimensions
-from vllm_neuron_sched.worker.sampling import Pasts, sample_in_program
+from vllm_neuron_sched.worker.sampling import sample_in_program
 from vllm_neuron_sched.worker.token_table import history_width
 
 VOCAB = 49152  # SmolLM2's
@@ -37,10 +45,38 @@ PROMPT, OUTPUT = 200, 100
 BUCKETS = (1, 2, 4)
 # vLLM's per-request bad-words limits (its defaults): the compiled layout.
 BAD_WORDS_SHAPE = (128, 1024)
+CASES = ("plain", "penalties", "bad_words", "every_rule")
+
+
+def _params(name: str, words: list[list[int]]) -> SamplingParams:
+    """A row's parameters in a case (the bad words tokenized, as the front
+    end leaves them)."""
+    if name == "every_rule":
+        params = SamplingParams(
+            min_tokens=OUTPUT + 10, stop_token_ids=[2], logit_bias={7: 1.5, 8: -2.0}
+        )
+    else:
+        params = SamplingParams()
+    params._bad_words_token_ids = words if name in ("bad_words", "every_rule") else []
+    return params
+
+
+def _builtin_processors(params: list[SamplingParams], outputs: list) -> object:
+    """vLLM's min_tokens and logit-bias processors, told of the rows."""
+    cpu = torch.device("cpu")
+    processors = [
+        MinTokensLogitsProcessor(None, cpu, False),  # type: ignore[arg-type]
+        LogitBiasLogitsProcessor(None, cpu, False),
+    ]
+    added = [(row, p, None, outputs[row]) for row, p in enumerate(params)]
+    for processor in processors:
+        processor.update_state(BatchUpdate(len(params), [], added, []))
+    return LogitsProcessors(processors)
 
 
 def _case(rows: int, name: str, generator: torch.Generator) -> tuple:
-    """The metadata vLLM's sampler reads and the pasts our programs read."""
+    """The metadata vLLM's sampler reads, and the rules (per bad-words
+    shape) and the pasts our programs read."""
     metadata = sampling_metadata([0.0] * rows)
     history = torch.randint(0, VOCAB, (rows, history_width(MAX_MODEL_LEN, 0)))
     outputs = [history[row, PROMPT : PROMPT + OUTPUT].tolist() for row in range(rows)]
@@ -55,20 +91,26 @@ def _case(rows: int, name: str, generator: torch.Generator) -> tuple:
             repetition_penalties=torch.full((rows,), 1.1),
             output_token_ids=outputs,
         )
-    if name == "bad_words":
+    params = [_params(name, words[row]) for row in range(rows)]
+    if name in ("bad_words", "every_rule"):
         metadata = replace(metadata, bad_words_token_ids=words)
-    ends = torch.full((rows,), PROMPT + OUTPUT)
-    prompts = torch.full((rows,), PROMPT)
-    pasts = {
-        shape: Pasts(
-            history.long(),
-            ends,
-            prompts,
-            plan_bad_words(rows, words, shape) if name == "bad_words" else None,
+    if name == "every_rule":
+        disallowed = torch.zeros(rows, VOCAB, dtype=torch.bool)
+        disallowed[:, VOCAB // 2 :] = True
+        metadata = replace(
+            metadata,
+            allowed_token_ids_mask=disallowed,
+            logitsprocs=_builtin_processors(params, outputs),
         )
-        for shape in (None, BAD_WORDS_SHAPE)
+    pasts = QueryPasts(
+        history.long(),
+        torch.full((rows, 1), PROMPT + OUTPUT),
+        torch.full((rows,), PROMPT),
+    )
+    rules = {
+        shape: plan_rules(params, VOCAB, shape) for shape in (None, BAD_WORDS_SHAPE)
     }
-    return torch.randn(rows, VOCAB, generator=generator), metadata, pasts
+    return torch.randn(rows, VOCAB, generator=generator), metadata, rules, pasts
 
 
 def _vllm(sampler: Sampler, logits: torch.Tensor, metadata: object) -> object:
@@ -108,10 +150,10 @@ def main() -> None:
     print(f"compile_programs (inductor): {time.perf_counter() - start:.1f} s")
     sampler = Sampler()
     generator = torch.Generator().manual_seed(0)
-    print("rows  case       vLLM's sampler  programs eager  programs compiled (ms)")
+    print("rows  case        vLLM's sampler  programs eager  programs compiled (ms)")
     for rows in BUCKETS:
-        for name in ("plain", "penalties", "bad_words"):
-            logits, metadata, pasts = _case(rows, name, generator)
+        for name in CASES:
+            logits, metadata, rules, pasts = _case(rows, name, generator)
             sampled = np.ones(rows, dtype=bool)
             calls = [
                 partial(_vllm, sampler, logits, metadata),
@@ -122,7 +164,8 @@ def main() -> None:
                     logits,
                     metadata,
                     sampled,
-                    None if name == "plain" else pasts[None],
+                    rules[None],
+                    pasts,
                 ),
                 partial(
                     sample_in_program,
@@ -131,12 +174,13 @@ def main() -> None:
                     logits,
                     metadata,
                     sampled,
-                    None if name == "plain" else pasts[BAD_WORDS_SHAPE],
+                    rules[BAD_WORDS_SHAPE],
+                    pasts,
                 ),
             ]
             with torch.inference_mode():
                 times = [_median_ms(call, args.repeats, args.calls) for call in calls]
-            print(f"{rows:4}  {name:9}  " + "  ".join(f"{t:14.2f}" for t in times))
+            print(f"{rows:4}  {name:10}  " + "  ".join(f"{t:14.2f}" for t in times))
 
 
 if __name__ == "__main__":

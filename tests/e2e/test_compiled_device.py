@@ -39,14 +39,16 @@ def compiled_llm(checkpoint_dir: str) -> Iterator[Any]:
 
 
 def _params() -> list[dict[str, Any]]:
-    """The mixed workload, one request with penalties and min_tokens and
-    one with bad words (the verify step's compiled constraints)."""
+    """The mixed workload, one request with penalties and min_tokens, one
+    with bad words and one with allowed tokens (the compiled rules, in the
+    plain steps' sampling and the verify steps')."""
     params = mixed_greedy()
     params[2].update(
         repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2
     )
     params[2]["min_tokens"] = 4
     params[3]["bad_words"] = ["qu", "gu"]
+    params[4]["allowed_token_ids"] = list(range(10, 700))
     return params
 
 
@@ -64,16 +66,18 @@ def test_compiled_serves_stock_tokens_without_compiling(
     assert before["forward_graphs"] >= len(declared)
     # Per decode bucket (1, 2, 4): for sampling greedy rows and random ones
     # with or without top-k and top-p, with or without logprobs, and the raw
-    # logprobs before penalties; widths 1 and 1 + K, and for rejection
-    # sampling greedy, random and truncated rows.
+    # logprobs before the rules; the rules at widths 1 and 1 + K, and for
+    # rejection sampling greedy, random and truncated rows.
     assert before["program_shapes"] == {
         "sample_rows": 30,
         "raw_scores": 3,
         "accept_drafts": 18,
         "propose_ngram_drafts": 3,
-        "mask_min_tokens": 6,
-        "penalize_queries": 6,
+        "mask_tokens": 6,
         "mask_bad_words": 6,
+        "mask_min_tokens": 6,
+        "add_logit_bias": 6,
+        "penalize_queries": 6,
     }
     for name, shapes in before["program_shapes"].items():
         assert before["program_graphs"][name] >= shapes
@@ -82,8 +86,10 @@ def test_compiled_serves_stock_tokens_without_compiling(
     calls = after.pop("program_calls")
     before.pop("program_calls")
     assert after == before  # nothing compiled while serving
-    # Prompts sample in the program (penalties in theirs), verify steps in
+    # Prompts sample in the program (the rules in theirs), verify steps in
     # rejection sampling's.
     assert calls["sample_rows"] > 0 and calls["accept_drafts"] > 0
-    assert calls["penalize_queries"] > 0 and calls["mask_bad_words"] > 0
+    for rule in ("mask_tokens", "mask_bad_words", "mask_min_tokens"):
+        assert calls[rule] > 0, calls
+    assert calls["penalize_queries"] > 0
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

@@ -117,7 +117,8 @@ STOPS = list(range(100, 700))
 
 def _requests(processors: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The mixed prompts greedy, logprobs everywhere, prompt logprobs on two,
-    penalties and bad words on one; ``min_tokens`` with stops it reaches
+    penalties and bad words on one, allowed tokens on another; ``min_tokens``
+    with stops it reaches
     (and penalties), alone and under a choice grammar; with processors,
     first (their prompts fit the first step: the counting processor counts
     the steps that hold a request, and stock samples a prompt's every chunk,
@@ -129,6 +130,7 @@ def _requests(processors: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
     ]
     params[1]["prompt_logprobs"] = params[4]["prompt_logprobs"] = 2
     params[2].update(presence_penalty=0.5, repetition_penalty=1.1, bad_words=["qu"])
+    params[3]["allowed_token_ids"] = list(range(10, 700))
     params += [
         {
             **greedy,
@@ -243,10 +245,16 @@ def test_engine_settings_in_pairs_equal_stock(
         )
         verify = {"accept_drafts", "propose_ngram_drafts"}
         assert (verify <= set(graphs["program_graphs"])) == (mode == "async_ngram")
-        # Steps sample in the programs, penalties and bad words included,
-        # except where the user's processors are (vLLM's sampler runs them).
+        # Steps sample in the programs, the rules included, except where the
+        # user's processors are (vLLM's sampler runs them).
         in_programs = not PROCESSORS[processors]
-        for program in ("sample_rows", "penalize_queries", "mask_bad_words"):
+        for program in (
+            "sample_rows",
+            "mask_tokens",
+            "mask_bad_words",
+            "mask_min_tokens",
+            "penalize_queries",
+        ):
             assert (calls[program] > 0) == in_programs, calls
     theirs = stock(model, logprobs_mode, dtype, processors)
     for i, (record, expected) in enumerate(zip(ours, theirs, strict=True)):

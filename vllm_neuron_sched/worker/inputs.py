@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_neuron_sched.worker.history_rules import BadWords, plan_bad_words
 from vllm_neuron_sched.worker.layout import Layout, Tokens
 from vllm_neuron_sched.worker.token_table import (
     PLACEHOLDER_TOKEN_ID,
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     from vllm.v1.worker.utils import AttentionGroup
 
     from vllm_neuron_sched.core.prefill_shapes import PrefillShape
+    from vllm_neuron_sched.worker.logits_rules import RowRules
     from vllm_neuron_sched.worker.steps import StepRows
 
 # (token slots, positions, token ids) a step writes into the device histories.
@@ -65,8 +65,8 @@ class StepInputs:
     # The prompt tokens the step writes into the device histories; None
     # when every row decodes (its input is already there).
     history_writes: HistoryWrites | None
-    # The rows' bad words (``plan_bad_words``); None when no row has any.
-    bad_words: BadWords | None
+    # What the host planned of the rows' logits rules (``plan_rules``).
+    rules: "RowRules"
     # A non-decode input token is a placeholder: host state is behind the
     # device there (not expected; the runner waits and rebuilds).
     needs_host_tokens: bool
@@ -84,11 +84,11 @@ def token_inputs(
     attn_groups: "list[AttentionGroup]",
     max_model_len: int,
     num_cached_prompt_tokens: np.ndarray,
-    bad_words_shape: tuple[int, int] | None,
+    rules: "RowRules",
 ) -> StepInputs:
     """The inputs of ``rows`` at ``shape`` (``Layout.of``): prompt tokens
     from the host, each decode row's one token (its newest) from the device
-    table; the bad words at ``bad_words_shape`` (``plan_bad_words``)."""
+    table; ``rules``: the rows' (``plan_rules``)."""
     layout = Layout.of(
         shape, rows.num_run, rows.num_computed, batch, attn_groups, max_model_len
     )
@@ -125,7 +125,7 @@ def token_inputs(
         else _history_writes(
             batch, num_cached_prompt_tokens, token_slots, tokens, rows.is_decode_row
         ),
-        bad_words=plan_bad_words(num_reqs, batch.bad_words_token_ids, bad_words_shape),
+        rules=rules,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
         num_table_rows=len(decode_rows),
         has_samples=bool(is_sampled.any()),

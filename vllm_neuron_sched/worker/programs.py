@@ -23,8 +23,12 @@ from vllm_neuron_sched.worker.history_rules import (
     mask_bad_words,
     penalize_queries,
 )
+from vllm_neuron_sched.worker.logits_rules import (
+    add_logit_bias,
+    mask_min_tokens,
+    mask_tokens,
+)
 from vllm_neuron_sched.worker.sampling import Draws, raw_scores, sample_rows
-from vllm_neuron_sched.worker.spec.constraints import mask_min_tokens
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import Randomness, accept_drafts
 
@@ -159,8 +163,24 @@ def _ngram_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
         )
 
 
+def _per_query(dims: Dimensions) -> Iterator[tuple[int, int]]:
+    """A plain step's sampling (width 1) and a verify step's."""
+    return itertools.product(dims.rows, dims.widths)
+
+
+def _mask_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    for rows, width in _per_query(dims):
+        masked = torch.zeros(rows, dims.vocab, dtype=torch.bool)
+        yield _queries(rows, width, dims), masked
+
+
+def _logit_bias_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    for rows, width in _per_query(dims):
+        yield _queries(rows, width, dims), torch.zeros(rows, dims.vocab)
+
+
 def _min_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
-    for rows, width in _verify_shapes(dims):
+    for rows, width in _per_query(dims):
         yield (
             _queries(rows, width, dims),
             _rows_of(rows),
@@ -171,8 +191,7 @@ def _min_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 
 def _penalties_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
-    """A plain step's sampling (width 1) and a verify step's."""
-    for rows, width in itertools.product(dims.rows, dims.widths):
+    for rows, width in _per_query(dims):
         penalty = _rows_of(rows, torch.float32)
         yield (
             _queries(rows, width, dims),
@@ -186,10 +205,10 @@ def _penalties_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 
 def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
-    """A plain step's sampling (width 1) and a verify step's, the words at
-    the declared shape (``plan_bad_words`` lays a step's out there)."""
+    """The words at the declared shape (``plan_bad_words`` lays a step's out
+    there)."""
     num_words, num_tokens = dims.bad_words
-    for rows, width in itertools.product(dims.rows, dims.widths):
+    for rows, width in _per_query(dims):
         flat = torch.zeros(rows, num_tokens, dtype=torch.int64)
         yield (
             _queries(rows, width, dims),
@@ -211,9 +230,11 @@ PROGRAMS: tuple[Program, ...] = (
     Program("raw_scores", raw_scores, _raw_scores_examples),
     Program("accept_drafts", accept_drafts, _accept_drafts_examples),
     Program("propose_ngram_drafts", propose_ngram_drafts, _ngram_examples),
-    Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
-    Program("penalize_queries", penalize_queries, _penalties_examples),
+    Program("mask_tokens", mask_tokens, _mask_tokens_examples),
     Program("mask_bad_words", mask_bad_words, _bad_words_examples),
+    Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
+    Program("add_logit_bias", add_logit_bias, _logit_bias_examples),
+    Program("penalize_queries", penalize_queries, _penalties_examples),
 )
 
 
@@ -227,9 +248,11 @@ class Programs:
     raw_scores: Callable[..., Any] = raw_scores
     accept_drafts: Callable[..., Any] = accept_drafts
     propose_ngram_drafts: Callable[..., Any] = propose_ngram_drafts
-    mask_min_tokens: Callable[..., Any] = mask_min_tokens
-    penalize_queries: Callable[..., Any] = penalize_queries
+    mask_tokens: Callable[..., Any] = mask_tokens
     mask_bad_words: Callable[..., Any] = mask_bad_words
+    mask_min_tokens: Callable[..., Any] = mask_min_tokens
+    add_logit_bias: Callable[..., Any] = add_logit_bias
+    penalize_queries: Callable[..., Any] = penalize_queries
     bad_words_shape: tuple[int, int] | None = None
 
 

@@ -1,16 +1,16 @@
 """On-device sampling and what the host hands it.
 
 A step's rows sample on the device with the device's logits processors and
-output histories (``sampling_state.py``). A step that needs only bad words,
-penalties, temperature, top-k, top-p, seeds and top-n logprobs samples in
-programs of fixed shape: the bad words and penalties over the device
-histories (``history_rules.py``), then ``sample_rows`` after its
-per-request draws (``draw_sampling``); one that needs more (allowed tokens,
-whole-vocabulary logprobs, a logits processor with work to do) runs vLLM's
-``Sampler``. On a threaded device the rest of what it reads is a snapshot
-taken at enqueue, because the main thread builds the next step while this
-one samples; an inline device samples at enqueue and reads the batch as it
-is.
+output histories (``sampling_state.py``). A step that needs only what vLLM's
+sampler applies per request (allowed tokens, bad words, ``min_tokens``,
+logit bias, penalties: ``logits_rules.py``), temperature, top-k, top-p,
+seeds and top-n logprobs samples in programs of fixed shape: the rules,
+then ``sample_rows`` after its per-request draws (``draw_sampling``); one
+that needs more (``min_p``, whole-vocabulary logprobs or logprobs of given
+tokens, a logits processor of the user's) runs vLLM's ``Sampler``. On a
+threaded device the rest of what it reads is a snapshot taken at enqueue,
+because the main thread builds the next step while this one samples; an
+inline device samples at enqueue and reads the batch as it is.
 """
 
 from collections.abc import Sequence
@@ -31,6 +31,14 @@ from vllm.v1.sample.logits_processor.builtin import (
 )
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
+from vllm_neuron_sched.worker.logits_rules import (
+    NO_RULES,
+    QueryPasts,
+    RowRules,
+    any_rule,
+    constrain_queries,
+    reads_history,
+)
 from vllm_neuron_sched.worker.results import Sampled
 
 logger = init_logger(__name__)
@@ -41,7 +49,6 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_neuron_sched.worker.history_rules import BadWords
     from vllm_neuron_sched.worker.inputs import StepInputs
     from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.sampling_state import SamplingState
@@ -118,11 +125,14 @@ def sample_on_device(
             rows = SimpleNamespace(req_ids=grammar.req_ids)
             apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
         if in_sampling_program(metadata):
-            pasts = None
-            if not metadata.no_penalties or inputs.bad_words is not None:
-                pasts = Pasts.of(tokens, inputs)
             sampled, logprobs = sample_in_program(
-                sampler, programs, logits, metadata, is_sampled, pasts
+                sampler,
+                programs,
+                logits,
+                metadata,
+                is_sampled,
+                inputs.rules,
+                _plain_pasts(tokens, inputs, reads_history(inputs.rules, metadata)),
             )
         else:
             sampled, logprobs = _vllm_sample(sampler, logits, metadata, is_sampled)
@@ -137,24 +147,15 @@ def sample_on_device(
     return Sampled(sampled, logprobs)
 
 
-@dataclass(frozen=True)
-class Pasts:
-    """What the penalties and the bad words read of each row
-    (``history_rules.py``): its device history, its tokens before the one
-    it samples (``ends``), the first ``prompt_lens`` of them its prompt; and
-    the rows' bad words. The device's history, not the host's: under async
-    scheduling the host's still ends in placeholders."""
-
-    history: torch.Tensor  # [rows, history width] int64
-    ends: torch.Tensor  # [rows] int64
-    prompt_lens: torch.Tensor  # [rows] int64
-    bad_words: "BadWords | None" = None
-
-    @classmethod
-    def of(cls, tokens: "DeviceTokens", inputs: "StepInputs") -> "Pasts":
-        slots = torch.from_numpy(inputs.token_slots)
-        history = tokens.histories_of(slots).long()
-        return cls(history, inputs.next_positions, inputs.prompt_lens, inputs.bad_words)
+def _plain_pasts(
+    tokens: "DeviceTokens", inputs: "StepInputs", with_history: bool
+) -> QueryPasts:
+    """A plain step's rows' pasts: one query each, ending before the token
+    it samples; the device histories only where a rule reads them."""
+    history = None
+    if with_history:
+        history = tokens.histories_of(torch.from_numpy(inputs.token_slots)).long()
+    return QueryPasts(history, inputs.next_positions[:, None], inputs.prompt_lens)
 
 
 def sample_in_program(
@@ -163,22 +164,25 @@ def sample_in_program(
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
     is_sampled: np.ndarray,
-    pasts: Pasts | None = None,
+    rules: RowRules = NO_RULES,
+    pasts: QueryPasts | None = None,
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
-    """The draws, the bad words and the penalties (``pasts``: where a row
-    has any, in vLLM's order), the sampling program, then the logprobs'
+    """The draws, the rows' rules (``logits_rules.py``, one query per row:
+    ``pasts`` where any acts), the sampling program, then the logprobs'
     top-n (the request's n: vLLM's gather, on the scores the programs give).
-    A raw logprobs mode reads the logits before the bad words and the
-    penalties (``raw_scores``), as vLLM's sampler does."""
+    A raw logprobs mode reads the logits before the rules (``raw_scores``),
+    as vLLM's sampler does."""
     num_logprobs = metadata.max_num_logprobs
     draws = draw_sampling(metadata, is_sampled, logits.shape[1], noise_dtype(sampler))
     scores_mode = None if num_logprobs is None else sampler.logprobs_mode
     scores = None
     logits = logits.float()  # as vLLM's sampler takes them
-    if pasts is not None:
+    if any_rule(rules, metadata):
+        assert pasts is not None
         if scores_mode is not None and scores_mode.startswith("raw"):
             scores, scores_mode = programs.raw_scores(logits, scores_mode), None
-        logits = _apply_history_rules(programs, logits, metadata, pasts)
+        logits = constrain_queries(programs, logits[:, None], rules, metadata, pasts)
+        logits = logits[:, 0]
     sampled, processed = programs.sample_rows(logits, draws, scores_mode)
     scores = processed if scores is None else scores
     logprobs = None
@@ -186,36 +190,6 @@ def sample_in_program(
         assert num_logprobs is not None
         logprobs = sampler.gather_logprobs(scores, num_logprobs, sampled)
     return sampled.to(torch.int32), logprobs
-
-
-def _apply_history_rules(
-    programs: "Programs",
-    logits: torch.Tensor,
-    metadata: "SamplingMetadata",
-    pasts: Pasts,
-) -> torch.Tensor:
-    """vLLM's bad words, then its penalties, as a verify step's queries take
-    them, one query per row (``mask_bad_words``, ``penalize_queries``)."""
-    rows = logits.shape[0]
-    queries, ends = logits[:, None], pasts.ends[:, None]
-    if pasts.bad_words is not None:
-        queries = programs.mask_bad_words(
-            queries, pasts.history, ends, pasts.prompt_lens, pasts.bad_words
-        )
-    if not metadata.no_penalties:
-        assert metadata.presence_penalties is not None
-        assert metadata.frequency_penalties is not None
-        assert metadata.repetition_penalties is not None
-        queries = programs.penalize_queries(
-            queries,
-            pasts.history,
-            ends,
-            pasts.prompt_lens,
-            metadata.presence_penalties[:rows],
-            metadata.frequency_penalties[:rows],
-            metadata.repetition_penalties[:rows],
-        )
-    return queries[:, 0]
 
 
 def _vllm_sample(
@@ -239,16 +213,15 @@ def _vllm_sample(
 
 
 def in_sampling_program(metadata: "SamplingMetadata") -> bool:
-    """Whether a step's rows need nothing of vLLM's sampler beyond
-    bad words, penalties, temperature, top-k, top-p, seeds and top-n
-    logprobs (``history_rules.py``, ``sample_rows``): no allowed tokens,
-    whole-vocabulary logprobs or logprobs of given tokens, and no logits
-    processor with a row to act on (vLLM's built-in ones report theirs; the
-    user's may act on any step, so vLLM's sampler runs them)."""
+    """Whether a step's rows need nothing of vLLM's sampler beyond the rules
+    (``logits_rules.py``), temperature, top-k, top-p, seeds and top-n
+    logprobs (``sample_rows``): no whole-vocabulary logprobs or logprobs of
+    given tokens, and no logits processor with a row to act on that the
+    rules do not stand in for (``min_p`` reports its rows; the user's may
+    act on any step, so vLLM's sampler runs them)."""
     return (
         metadata.max_num_logprobs != -1
         and not metadata.logprob_token_ids
-        and metadata.allowed_token_ids_mask is None
         and all(map(_idle, metadata.logitsprocs.all))
     )
 
@@ -256,11 +229,8 @@ def in_sampling_program(metadata: "SamplingMetadata") -> bool:
 def _idle(processor: "LogitsProcessor") -> bool:
     if isinstance(processor, MinPLogitsProcessor):
         return not processor.min_p_count
-    if isinstance(processor, LogitBiasLogitsProcessor):
-        return not processor.biases
-    if isinstance(processor, MinTokensLogitsProcessor):
-        return not processor.min_toks
-    return False
+    # The rules apply these two from the rows' parameters.
+    return isinstance(processor, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
 
 
 @dataclass(frozen=True)
@@ -355,7 +325,7 @@ def logprobs_scores(
 
 def raw_scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
     """The device program for a raw logprobs mode's scores where a step
-    processes its logits before ``sample_rows`` (bad words, penalties): read
+    processes its logits before ``sample_rows`` (``logits_rules.py``): read
     from the logits as the forward gave them."""
     return logprobs_scores(logits, logits, mode)
 

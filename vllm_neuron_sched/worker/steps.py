@@ -24,6 +24,7 @@ from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.inputs import StepInputs, token_inputs
+from vllm_neuron_sched.worker.logits_rules import RowRules, plan_rules
 from vllm_neuron_sched.worker.lora import StepAdapters, step_adapters
 from vllm_neuron_sched.worker.programs import EAGER, Programs
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
@@ -146,6 +147,14 @@ class StepContext:
     def max_model_len(self) -> int:
         return self.vllm_config.model_config.max_model_len
 
+    def rules_of(self, host: "HostRequestState", req_ids: list[str]) -> RowRules:
+        """The rows' logits rules, planned at the programs' bad-words shape."""
+        return plan_rules(
+            [host.requests[req_id].sampling_params for req_id in req_ids],
+            self.vllm_config.model_config.get_vocab_size(),
+            self.programs.bad_words_shape,
+        )
+
 
 class Step(Protocol):
     """One scheduler step on the device: two executions enqueued in order,
@@ -256,7 +265,11 @@ class TokensStep:
 
     @classmethod
     def inputs_of(
-        cls, ctx: StepContext, rows: StepRows, update: "StepUpdate"
+        cls,
+        ctx: StepContext,
+        host: "HostRequestState",
+        rows: StepRows,
+        update: "StepUpdate",
     ) -> StepInputs:
         return token_inputs(
             update.batch,
@@ -266,7 +279,7 @@ class TokensStep:
             ctx.kv_cache.attn_groups,
             ctx.max_model_len,
             update.num_cached_prompt_tokens,
-            ctx.programs.bad_words_shape,
+            ctx.rules_of(host, rows.req_ids),
         )
 
     @classmethod
@@ -277,7 +290,7 @@ class TokensStep:
         rows: StepRows,
         update: "StepUpdate",
     ) -> "TokensStep":
-        inputs = cls.inputs_of(ctx, rows, update)
+        inputs = cls.inputs_of(ctx, host, rows, update)
         return cls(
             inputs,
             inputs.is_sampled.astype(np.int64),

@@ -15,6 +15,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm_neuron_sched.runtime import make_device
 from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.history_rules import plan_bad_words
+from vllm_neuron_sched.worker.logits_rules import NO_RULES, MinTokens, RowRules
 from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
 from vllm_neuron_sched.worker.spec.verify import VerifyPlan
@@ -190,7 +191,9 @@ def test_bad_words_mask_each_query_as_vllm_does() -> None:
         # (its 5 is the prompt's); [6, 2, 3, 1] at query 2.
         1: [[6, 2], [5, 6, 3], [6, 2, 3, 1]],
     }
-    tokens, plan = _verify_rows(histories, drafts, bad_words=plan_bad_words(2, words))
+    tokens, plan = _verify_rows(
+        histories, drafts, rules=RowRules(bad_words=plan_bad_words(2, words))
+    )
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(2))
     metadata = replace(sampling_metadata([0.0, 0.0]), bad_words_token_ids=words)
     constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
@@ -317,7 +320,7 @@ def _verify_one_row(
     logits: torch.Tensor,
     metadata: SamplingMetadata,
     output: list[int],
-    min_tokens: tuple = (),
+    rules: RowRules = NO_RULES,
     grammar: object = None,
 ) -> list[int]:
     """One verify row with no drafts (width 1), its prompt [2] and ``output``
@@ -349,7 +352,7 @@ def _verify_one_row(
         prompt_lens=torch.tensor([1]),
         groups=[],
         tables={},
-        min_tokens=min_tokens,
+        rules=rules,
     )
     spec = SimpleNamespace(num_tokens=2, min_n=1, max_n=2, max_model_len=64)
     state = SamplingState(LogitsProcessors())
@@ -399,6 +402,10 @@ def test_min_tokens_leaves_a_structured_request_the_stops_its_grammar_allows() -
     stop = 3
     logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])
     grammar = plan_grammar(GrammarOutput(["r"], _masks([stop]), [0]), ["r"], {}, 1)
-    min_tokens = ((0, 8, (stop,), True),)
+    stops = torch.zeros(1, 4, dtype=torch.bool)
+    stops[0, stop] = True
+    rules = RowRules(
+        min_tokens=MinTokens(torch.tensor([8]), stops, torch.tensor([True]))
+    )
     metadata = sampling_metadata([0.0])
-    assert _verify_one_row(logits, metadata, [5], min_tokens, grammar) == [stop]
+    assert _verify_one_row(logits, metadata, [5], rules, grammar) == [stop]

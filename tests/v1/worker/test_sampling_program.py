@@ -1,26 +1,31 @@
 """A plain step's sampling programs (``sampling.sample_rows``, after
-``draw_sampling``; the penalties over the device histories first): the
-tokens and logprobs vLLM's CPU sampler gives, seeded rows' too, each
-generator left where vLLM's leaves it; traced into one graph per variant,
-answering as eager; and vLLM's sampler where the step needs more."""
+``draw_sampling``; the rows' rules first, ``logits_rules.py``, over the
+device histories): the tokens and logprobs vLLM's CPU sampler gives, seeded
+rows' too, each generator left where vLLM's leaves it; traced into one
+graph per variant, answering as eager; and vLLM's sampler where the step
+needs more."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
-from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.testing.logits_processors import CountingStopProcessor
 from vllm_neuron_sched.testing.sampling import sampling_metadata
-from vllm_neuron_sched.worker.history_rules import plan_bad_words
+from vllm_neuron_sched.worker.logits_rules import QueryPasts, RowRules, plan_rules
 from vllm_neuron_sched.worker.programs import EAGER
 from vllm_neuron_sched.worker.sampling import (
-    Pasts,
     draw_sampling,
     in_sampling_program,
     sample_in_program,
@@ -144,18 +149,32 @@ def _with_penalties(metadata: SamplingMetadata) -> SamplingMetadata:
     )
 
 
-def _pasts(width: int = 16) -> Pasts:
+def _params(per_row: dict[int, dict] | None = None) -> list[SamplingParams]:
+    """Each row's parameters: the bad words (tokenized, as the front end
+    leaves them), and ``per_row``'s settings by row."""
+    params = []
+    for row in range(ROWS):
+        made = SamplingParams(**(per_row or {}).get(row, {}))
+        made._bad_words_token_ids = BAD_WORDS.get(row, [])
+        params.append(made)
+    return params
+
+
+def _pasts(width: int = 16) -> QueryPasts:
     """The device histories: prompt then outputs, garbage past them."""
     history = torch.full((ROWS, width), 2, dtype=torch.int64)
     for row, (prompt, outputs) in enumerate(zip(PROMPTS, OUTPUTS)):
         tokens = prompt + outputs
         history[row, : len(tokens)] = torch.tensor(tokens)
-    return Pasts(
+    return QueryPasts(
         history,
-        torch.tensor([len(p) + len(o) for p, o in zip(PROMPTS, OUTPUTS)]),
+        torch.tensor([[len(p) + len(o)] for p, o in zip(PROMPTS, OUTPUTS)]),
         torch.tensor([len(p) for p in PROMPTS]),
-        plan_bad_words(ROWS, BAD_WORDS),
     )
+
+
+def _rules(params: list[SamplingParams]) -> RowRules:
+    return plan_rules(params, VOCAB, None)
 
 
 @pytest.mark.parametrize("mode", LOGPROBS_MODES)
@@ -180,11 +199,74 @@ def test_bad_words_and_penalties_sample_as_vllms_sampler(mode: str) -> None:
     # Row 3 (greedy) would take 30, which its bad word [22, 30] rules out.
     logits[3, 30] = logits[3].max() + 5.0
     tokens, logprobs = sample_in_program(
-        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _pasts()
+        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _rules(_params()), _pasts()
     )
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
     assert tokens[0] != 20 and tokens[3] != 30
+    assert logprobs is not None and expected.logprobs_tensors is not None
+    for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want)
+
+
+# Row 0 (greedy) would stop (17) before its min_tokens; row 1 is biased
+# towards 33, row 2 allowed 5, 6 and 7 only; row 4 has its min_tokens.
+RULES = {
+    0: {"min_tokens": 5, "stop_token_ids": [17]},
+    1: {"logit_bias": {33: 40.0, 2: -3.0}},
+    2: {"allowed_token_ids": [5, 6, 7]},
+    4: {"min_tokens": 1, "stop_token_ids": [9]},
+}
+
+
+def _builtin_processors(params: list[SamplingParams]) -> LogitsProcessors:
+    """vLLM's min_tokens and logit bias processors, told of the rows."""
+    cpu = torch.device("cpu")
+    processors = [
+        MinTokensLogitsProcessor(None, cpu, False),  # type: ignore[arg-type]
+        LogitBiasLogitsProcessor(None, cpu, False),
+    ]
+    added = [(row, p, None, list(OUTPUTS[row])) for row, p in enumerate(params)]
+    for processor in processors:
+        processor.update_state(BatchUpdate(ROWS, [], added, []))
+    return LogitsProcessors(processors)
+
+
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_every_rule_samples_as_vllms_sampler(mode: str) -> None:
+    """Allowed tokens, bad words, min_tokens, logit bias and the penalties
+    together, each as the rows' parameters plan it (``plan_rules``), then
+    the sampling program: vLLM's tokens and logprobs, which its sampler gets
+    from its input batch's mask and its built-in processors."""
+    sampler = Sampler(logprobs_mode=mode)
+    random_rows = tuple(row for row, t in enumerate(TEMPERATURES) if t > 0)
+    params = _params(RULES)
+    disallowed = torch.zeros(ROWS, VOCAB, dtype=torch.bool)
+    disallowed[2] = True
+    disallowed[2, RULES[2]["allowed_token_ids"]] = False
+
+    def metadata() -> SamplingMetadata:
+        made = sampling_metadata(TEMPERATURES, _generators(17, random_rows))
+        return replace(
+            _with_penalties(made),
+            max_num_logprobs=2,
+            allowed_token_ids_mask=disallowed.clone(),
+            logitsprocs=_builtin_processors(params),
+        )
+
+    ours, theirs = metadata(), metadata()
+    assert in_sampling_program(ours)
+    logits = _logits(5)
+    logits[0, 17] = logits[0].max() + 5.0
+    logits[4, 9] = logits[4].max() + 50.0  # row 4 has its one output: may stop
+    tokens, logprobs = sample_in_program(
+        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _rules(params), _pasts()
+    )
+    expected = sampler(logits.clone(), theirs)
+    assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
+    assert tokens[0] != 17 and tokens[1] == 33 and tokens[2] in (5, 6, 7)
+    assert tokens[4] == 9
     assert logprobs is not None and expected.logprobs_tensors is not None
     for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
         if isinstance(want, torch.Tensor):
@@ -231,24 +313,33 @@ def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
 
 
 def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
-    """Allowed tokens, whole-vocabulary logprobs, a built-in processor with
-    a row to act on, and any processor of the user's; not penalties or bad
-    words, which the programs apply."""
+    """Whole-vocabulary logprobs, min_p with a row to act on, and any
+    processor of the user's; not the rules, which the programs apply, nor
+    vLLM's own processors for min_tokens and the logit bias, which they
+    stand in for."""
     plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
     assert in_sampling_program(plain)
-    bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    params = SamplingParams(logit_bias={3: 5.0})
-    bias.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
-    users = CountingStopProcessor(None, torch.device("cpu"), False)
-    assert in_sampling_program(_with_penalties(plain))
-    assert in_sampling_program(replace(plain, bad_words_token_ids={0: [[3]]}))
-    needs_more = [
+    cpu = torch.device("cpu")
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=ROWS))
+    min_p = MinPLogitsProcessor(config, cpu, False)  # type: ignore[arg-type]
+    params = SamplingParams(min_p=0.1)
+    min_p.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
+    users = CountingStopProcessor(None, cpu, False)
+    builtin = _builtin_processors(_params(RULES))
+    handled = [
+        _with_penalties(plain),
+        replace(plain, bad_words_token_ids={0: [[3]]}),
         replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
+        replace(plain, logitsprocs=builtin),
+    ]
+    for metadata in handled:
+        assert in_sampling_program(metadata)
+    needs_more = [
         replace(plain, max_num_logprobs=-1),
-        replace(plain, logitsprocs=LogitsProcessors([bias])),
+        replace(plain, logitsprocs=LogitsProcessors([min_p])),
         replace(plain, logitsprocs=LogitsProcessors([users])),
     ]
     for metadata in needs_more:
         assert not in_sampling_program(metadata)
-    idle = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    idle = MinPLogitsProcessor(config, cpu, False)  # type: ignore[arg-type]
     assert in_sampling_program(replace(plain, logitsprocs=LogitsProcessors([idle])))

@@ -20,8 +20,8 @@ from vllm_neuron_sched.worker.history_rules import (
     penalize_queries,
     plan_bad_words,
 )
+from vllm_neuron_sched.worker.logits_rules import mask_min_tokens
 from vllm_neuron_sched.worker.programs import PROGRAMS, Dimensions, Program
-from vllm_neuron_sched.worker.spec.constraints import mask_min_tokens
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,

@@ -1,15 +1,24 @@
 """What vLLM's sampler applies before sampling, applied to a verify step's
-logits (penalties, bad words, min_tokens, logits processors), so drafts are
-verified against the distribution a plain step would sample from. The
-penalties and bad words are ``history_rules.py``'s programs, at ``1 + K``
-queries per row."""
+logits (``logits_rules.py``'s rules at ``1 + K`` queries per row), so
+drafts are verified against the distribution a plain step would sample
+from; and the metadata the rejection sampler is left with."""
 
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+
+from vllm_neuron_sched.worker.logits_rules import (
+    QueryPasts,
+    any_rule,
+    constrain_queries,
+    reads_history,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -26,53 +35,29 @@ def constrain_verify_logits(
     metadata: "SamplingMetadata",
     programs: "Programs",
 ) -> "tuple[torch.Tensor, SamplingMetadata]":
-    """Device side: the allowed-token masks, min_tokens' stop masks, bad words
-    and the penalties at every query of a verify step, and the metadata left
-    for the sampler (without them).
+    """Device side: the rows' rules at every query of a verify step, and the
+    metadata left for the sampler (without them).
 
     Query ``j`` of a row predicts the token after its ``j`` drafts, so its
-    constraints see the row's output so far and those drafts, all read from
-    the device history: under async scheduling the host's lists still hold
-    placeholders. vLLM's ``apply_penalties`` does the arithmetic, as in stock
-    sampling; vLLM's own rejection sampler counts the drafts the same way."""
-    mask = metadata.allowed_token_ids_mask
-    bad_words = plan.bad_words
-    if (
-        metadata.no_penalties
-        and mask is None
-        and not plan.min_tokens
-        and bad_words is None
-    ):
+    rules see the row's output so far and those drafts, all read from the
+    device history: under async scheduling the host's lists still hold
+    placeholders. vLLM's own rejection sampler counts the drafts the same
+    way."""
+    if not any_rule(plan.rules, metadata):
         return logits, metadata
     rows, width = plan.num_rows, plan.width
-    queries = logits.view(rows, width, -1)
     lengths = tokens.lengths_of(plan.slots)
-    ends = lengths[:, None] + torch.arange(width)[None, :]  # j drafts past them
-    if mask is not None:
-        queries = queries.masked_fill(mask[:rows, None, :], float("-inf"))
     history = None
-    if bad_words is not None or not metadata.no_penalties:
+    if reads_history(plan.rules, metadata):
         history = _histories_with_drafts(plan, tokens, lengths)
-    if bad_words is not None:
-        assert history is not None
-        queries = programs.mask_bad_words(
-            queries, history, ends, plan.prompt_lens, bad_words
-        )
-    # Last of the masks: whether a structured query has a token left is
-    # decided over all of them (vLLM's order: its min_tokens processor runs
-    # after the allowed tokens and the bad words).
-    queries = _mask_min_tokens(queries, plan, lengths, programs)
-    if not metadata.no_penalties:
-        assert history is not None
-        queries = programs.penalize_queries(
-            queries,
-            history,
-            ends,
-            plan.prompt_lens,
-            metadata.presence_penalties[:rows],
-            metadata.frequency_penalties[:rows],
-            metadata.repetition_penalties[:rows],
-        )
+    pasts = QueryPasts(
+        history,
+        lengths[:, None] + torch.arange(width)[None, :],  # j drafts past them
+        plan.prompt_lens,
+    )
+    queries = constrain_queries(
+        programs, logits.view(rows, width, -1), plan.rules, metadata, pasts
+    )
     logits = queries.reshape(rows * width, -1)
     # The sampler (the bonus tokens) must not apply them again; vLLM's
     # min_tokens processor would mask by the host's count, not the query's.
@@ -81,7 +66,7 @@ def constrain_verify_logits(
     processors.non_argmax_invariant = [
         p
         for p in metadata.logitsprocs.non_argmax_invariant
-        if not isinstance(p, MinTokensLogitsProcessor)
+        if not isinstance(p, (MinTokensLogitsProcessor, LogitBiasLogitsProcessor))
     ]
     return logits, replace(
         metadata,
@@ -90,51 +75,6 @@ def constrain_verify_logits(
         bad_words_token_ids={},
         logitsprocs=processors,
     )
-
-
-def _mask_min_tokens(
-    queries: torch.Tensor,
-    plan: "VerifyPlan",
-    lengths: torch.Tensor,
-    programs: "Programs",
-) -> torch.Tensor:
-    """Query j follows the row's outputs and j drafts: its stops are masked
-    while those are fewer than min_tokens. The rows' settings are host data
-    (``plan.min_tokens``), made tensors here; ``mask_min_tokens`` is the
-    program."""
-    if not plan.min_tokens:
-        return queries
-    rows, vocab = plan.num_rows, queries.shape[2]
-    wanted = torch.zeros(rows, dtype=torch.int64)
-    structured = torch.zeros(rows, dtype=torch.bool)
-    stops = torch.zeros(rows, vocab, dtype=torch.bool)
-    for row, min_tokens, stop_ids, is_structured in plan.min_tokens:
-        wanted[row] = min_tokens
-        structured[row] = is_structured
-        stops[row, list(stop_ids)] = True
-    return programs.mask_min_tokens(
-        queries, lengths - plan.prompt_lens, wanted, stops, structured
-    )
-
-
-def mask_min_tokens(
-    queries: torch.Tensor,
-    num_outputs: torch.Tensor,
-    wanted: torch.Tensor,
-    stops: torch.Tensor,
-    structured: torch.Tensor,
-) -> torch.Tensor:
-    """The device program: ``queries`` [rows, width, vocab], each row's
-    outputs so far and ``min_tokens`` ([rows]), its stop tokens ([rows,
-    vocab] bool), whether it has a grammar ([rows]). Query j's stops are
-    masked while ``num_outputs + j < min_tokens``. A structured request's
-    query whose grammar leaves only stops keeps them (vLLM's rule, as its
-    min_tokens processor restores them), or it would have no token."""
-    width = queries.shape[1]
-    active = torch.arange(width)[None, :] < (wanted - num_outputs)[:, None]
-    masked = queries.masked_fill(active[:, :, None] & stops[:, None, :], -torch.inf)
-    emptied = torch.isneginf(masked).all(dim=-1) & structured[:, None]
-    return torch.where(emptied[:, :, None], queries, masked)
 
 
 def _histories_with_drafts(

@@ -44,7 +44,7 @@ class ProposingPrefillStep(PrefillStep):
         # (``rows.num_run``) and samples from it; the scheduler counts the
         # placeholders as rejected drafts, so they are the row's
         # placeholders too.
-        inputs = cls.inputs_of(ctx, rows, update)
+        inputs = cls.inputs_of(ctx, host, rows, update)
         return cls(
             inputs,
             inputs.is_sampled.astype(np.int64) + rows.num_drafts,

@@ -12,13 +12,13 @@ import torch
 from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
-from vllm_neuron_sched.worker.history_rules import BadWords, plan_bad_words
 from vllm_neuron_sched.worker.layout import (
     BlockTables,
     Sequences,
     block_tables,
     rectangle,
 )
+from vllm_neuron_sched.worker.logits_rules import NO_RULES, RowRules
 from vllm_neuron_sched.worker.lora import StepAdapters, verify_adapters
 from vllm_neuron_sched.worker.results import (
     Drafts,
@@ -41,9 +41,6 @@ from vllm_neuron_sched.worker.spec.rejection import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -63,10 +60,6 @@ if TYPE_CHECKING:
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
 
-# (row, min_tokens, stop token ids, whether the request has a grammar).
-MinTokensRow = tuple[int, int, tuple[int, ...], bool]
-
-
 @dataclass(frozen=True)
 class VerifyPlan:
     """What the host knows of a verify step: the rows, their slots, how many
@@ -81,9 +74,7 @@ class VerifyPlan:
     prompt_lens: torch.Tensor  # [num_rows] int64 (penalties count what follows)
     groups: "list[AttentionGroup]"
     tables: BlockTables  # the rows' (the device pads them to the step)
-    # The rows that set min_tokens.
-    min_tokens: tuple[MinTokensRow, ...] = ()
-    bad_words: BadWords | None = None
+    rules: RowRules = NO_RULES  # the rows' logits rules (``plan_rules``)
 
     @property
     def num_tokens_padded(self) -> int:
@@ -97,14 +88,11 @@ def plan_verify(
     num_rows_padded: int,
     num_spec_tokens: int,
     attn_groups: "list[AttentionGroup]",
-    min_tokens: list[MinTokensRow] | None = None,
-    bad_words: dict[int, list[list[int]]] | None = None,
-    bad_words_shape: tuple[int, int] | None = None,
+    rules: RowRules = NO_RULES,
 ) -> VerifyPlan:
     """Host side, from the scheduler's decisions only: no position, since the
     scheduler's ``num_computed_tokens`` may count drafts the device rejected
-    (it plans optimistically). ``bad_words_shape``: the programs'
-    (``Programs.bad_words_shape``)."""
+    (it plans optimistically)."""
     num_rows = batch.num_reqs
     return VerifyPlan(
         width=1 + num_spec_tokens if scheduled_drafts.any() else 1,
@@ -117,8 +105,7 @@ def plan_verify(
         ),
         groups=attn_groups,
         tables=block_tables(batch, num_rows),
-        min_tokens=tuple(min_tokens or ()),
-        bad_words=plan_bad_words(num_rows, bad_words or {}, bad_words_shape),
+        rules=rules,
     )
 
 
@@ -261,9 +248,7 @@ class VerifyStep:
             ctx.buckets.pad_decode(len(rows.req_ids)),
             ctx.speculation.num_tokens,
             ctx.kv_cache.attn_groups,
-            _min_tokens_rows(host, rows.req_ids),
-            _bad_words_rows(host, rows.req_ids),
-            ctx.programs.bad_words_shape,
+            ctx.rules_of(host, rows.req_ids),
         )
         adapters = None
         if ctx.lora is not None:
@@ -325,44 +310,6 @@ class VerifyStep:
             ctx.fails_requests_alone,
         )
         return result, output
-
-
-def _min_tokens_rows(
-    host: "HostRequestState", req_ids: list[str]
-) -> list[MinTokensRow]:
-    """The rows whose request sets min_tokens: the verify step masks the
-    stops per query."""
-    return [
-        (
-            row,
-            params.min_tokens,
-            tuple(sorted(params.all_stop_token_ids)),
-            params.structured_outputs is not None,
-        )
-        for row, params in _rows_params(host, req_ids)
-        if params.min_tokens
-    ]
-
-
-def _bad_words_rows(
-    host: "HostRequestState", req_ids: list[str]
-) -> dict[int, list[list[int]]]:
-    """The rows' tokenized bad words: the verify step masks them per query."""
-    return {
-        row: params.bad_words_token_ids
-        for row, params in _rows_params(host, req_ids)
-        if params.bad_words_token_ids
-    }
-
-
-def _rows_params(
-    host: "HostRequestState", req_ids: list[str]
-) -> "Iterator[tuple[int, SamplingParams]]":
-    """Each row's sampling parameters (rows without any left out)."""
-    for row, req_id in enumerate(req_ids):
-        params = host.requests[req_id].sampling_params
-        if params is not None:
-            yield row, params
 
 
 def _verify_forward_on_device(
