@@ -81,9 +81,10 @@ from vllm_neuron_sched.worker.kv_cache import KVCache
 from vllm_neuron_sched.worker.lora import Adapters
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.pipeline import (
+    ONE_STAGE,
     PipelineStage,
+    Stage,
     empty_hidden,
-    stage_kinds,
 )
 from vllm_neuron_sched.worker.programs import Dimensions
 from vllm_neuron_sched.worker.results import DraftedOutput
@@ -156,23 +157,22 @@ class NeuronSchedModelRunner:
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.tp_rank = tp_group.rank_in_group
         self.device = device
-        stage = (
+        stage: Stage = (
             PipelineStage(pp_group)
             if pp_group is not None and pp_group.world_size > 1
-            else None
+            else ONE_STAGE
         )
         self.ctx = self._step_context(
             tp_group, torch_device or torch.device("cpu"), stage
         )
         self.kv_cache = self.ctx.kv_cache
+        # The plain kinds run on any pipeline stage (``ctx.stage``); the
+        # start-up check refuses speculation with pipeline stages.
         self.step_kinds = (
             PLAIN_STEPS if self.ctx.speculation is None else SPECULATIVE_STEPS
         )
-        if stage is not None:
-            # The start-up check refuses speculation with pipeline stages.
-            self.step_kinds = stage_kinds(self.step_kinds, stage)
         # The engine reads the outputs of TP rank 0 of the last stage.
-        self.is_output_rank = self.tp_rank == 0 and (stage is None or stage.is_last)
+        self.is_output_rank = self.tp_rank == 0 and stage.is_last
         # The newest sampling step's output, whose drafts the scheduler may
         # ask for (``take_draft_token_ids``).
         self._drafted: Materializer[ModelRunnerOutput] | None = None
@@ -202,7 +202,7 @@ class NeuronSchedModelRunner:
         self,
         tp_group: "GroupCoordinator",
         torch_device: torch.device,
-        stage: PipelineStage | None,
+        stage: Stage,
     ) -> StepContext:
         vllm_config = self.vllm_config
         buckets = Buckets.from_limits(
@@ -254,7 +254,7 @@ class NeuronSchedModelRunner:
             # a peer is gone, and ranks cannot know they failed alike), a
             # device failure stops the engine.
             fails_requests_alone=tp_group.world_size == 1
-            and stage is None
+            and not stage.is_pipeline
             and finishes_failed_requests(
                 getattr(vllm_config.scheduler_config, "scheduler_cls", None)
             ),
@@ -628,7 +628,7 @@ class NeuronSchedModelRunner:
         ):
             for model in self._models():
                 kwargs: dict[str, Any] = {}
-                if stage is not None and not stage.is_first:
+                if not stage.is_first:
                     # Zeros at the shape: compiling needs no peer.
                     kwargs["intermediate_tensors"] = empty_hidden(model, num_tokens)
                 model(

@@ -9,8 +9,10 @@ async flow, the counters and the error path see this one interface.
 
 ``PrefillStep``, ``DecodeStep`` and ``MixedStep`` (a scheduler that mixes)
 run inputs the host laid out (``inputs.py``); with speculative decoding the
-kinds are ``spec/steps.py``'s. A new kind (a pipeline stage, a device that
-runs other steps) is a new class, not a flag.
+kinds are ``spec/steps.py``'s. A kind is a shape and the programs it runs;
+what a pipeline stage changes (where the forward starts and ends, where the
+tokens come from) is the stage's (``StepContext.stage``, ``pipeline.py``),
+the same for every kind.
 """
 
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.inputs import StepInputs, token_inputs
 from vllm_neuron_sched.worker.logits_rules import RowRules, plan_rules
 from vllm_neuron_sched.worker.lora import StepAdapters, step_adapters
+from vllm_neuron_sched.worker.pipeline import ONE_STAGE, Stage
 from vllm_neuron_sched.worker.programs import EAGER, Programs
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
@@ -37,7 +40,6 @@ from vllm_neuron_sched.worker.sampling import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.sequence import IntermediateTensors
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
@@ -52,7 +54,6 @@ if TYPE_CHECKING:
     )
     from vllm_neuron_sched.worker.kv_cache import KVCache
     from vllm_neuron_sched.worker.lora import Adapters
-    from vllm_neuron_sched.worker.pipeline import PipelineStage
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.spec.config import Speculation
     from vllm_neuron_sched.worker.spec.proposer import Proposer
@@ -134,8 +135,8 @@ class StepContext:
     # Speculative decoding: its settings and what proposes the drafts.
     speculation: "Speculation | None" = None
     proposer: "Proposer | None" = None
-    # Pipeline parallel: this rank's stage (None: one stage).
-    stage: "PipelineStage | None" = None
+    # Pipeline parallel: this rank's stage (``ONE_STAGE`` without one).
+    stage: Stage = ONE_STAGE
     # LoRA (--enable-lora): the adapter manager, on the device side.
     lora: "Adapters | None" = None
     model: Any = None
@@ -348,7 +349,9 @@ class TokensStep:
     ) -> torch.Tensor | None:
         """Prompt tokens into the device histories, decode rows' ids from the
         token table, then the model at the padded shape; the sampling rows'
-        logits (None when no row samples)."""
+        logits (None when no row samples, or on a pipeline stage before the
+        last, which sends its tensors on instead: the prompt logprobs are
+        the last stage's, which has the logits)."""
         inputs = self.inputs
         with torch.inference_mode():
             if inputs.history_writes is not None:
@@ -358,6 +361,9 @@ class TokensStep:
                 assert ctx.lora is not None
                 ctx.lora.activate(self.adapters)
             hidden_states = self.run_model_on_device(ctx)
+            if not ctx.stage.is_last:
+                ctx.stage.send_hidden(hidden_states)
+                return None
             logprobs_mode = ctx.vllm_config.model_config.logprobs_mode
             for row, *job in prompt_logprobs_jobs:
                 prompt_logprobs_on_device(
@@ -373,12 +379,8 @@ class TokensStep:
             return ctx.model.compute_logits(hidden_states[inputs.logits_indices])
 
     def run_model_on_device(self, ctx: StepContext) -> Any:
-        """Hidden states, or a pipeline stage's intermediate tensors."""
-        return self.run_model_with(ctx, None)
-
-    def run_model_with(
-        self, ctx: StepContext, intermediate_tensors: "IntermediateTensors | None"
-    ) -> Any:
+        """Hidden states, or a pipeline stage's intermediate tensors; a
+        stage after the first starts from the previous stage's."""
         layout = self.inputs.layout
         return run_model(
             ctx.model,
@@ -388,7 +390,7 @@ class TokensStep:
             layout.attn_inputs,
             layout.slot_mapping,
             layout.num_tokens_padded,
-            intermediate_tensors,
+            ctx.stage.receive_hidden(ctx.model, layout.num_tokens_padded),
         )
 
     def sample_on_device(
@@ -399,7 +401,21 @@ class TokensStep:
         needs_histories: bool,
         grammar: "StepMasks | None",
     ) -> Sampled:
-        return sample_on_device(
+        """The rows' tokens, into the token table; the last pipeline stage
+        sends them to every other stage, which takes them instead."""
+        inputs = self.inputs
+        if not ctx.stage.is_last:
+            tokens = ctx.stage.share_tokens(
+                torch.empty(inputs.sample_slots.shape, dtype=torch.int32)
+            )
+            ctx.token_table.accept(
+                inputs.sample_slots,
+                inputs.next_positions,
+                tokens[:, None],
+                torch.ones_like(inputs.sample_slots),
+            )
+            return Sampled(tokens, None)
+        sampled = sample_on_device(
             ctx.sampler,
             ctx.programs,
             ctx.token_table,
@@ -407,9 +423,11 @@ class TokensStep:
             logits,
             metadata,
             needs_histories,
-            self.inputs,
+            inputs,
             grammar,
         )
+        ctx.stage.share_tokens(sampled.tokens)
+        return sampled
 
 
 class PrefillStep(TokensStep):
