@@ -4,13 +4,13 @@ A step's rows sample on the device with the device's logits processors and
 output histories (``sampling_state.py``). A step that needs only what vLLM's
 sampler applies per request (allowed tokens, bad words, ``min_tokens``,
 logit bias, penalties: ``logits_rules.py``), temperature, top-k, top-p,
-seeds and top-n logprobs samples in programs of fixed shape: the rules,
-then ``sample_rows`` after its per-request draws (``draw_sampling``); one
-that needs more (``min_p``, whole-vocabulary logprobs or logprobs of given
-tokens, a logits processor of the user's) runs vLLM's ``Sampler``. On a
-threaded device the rest of what it reads is a snapshot taken at enqueue,
-because the main thread builds the next step while this one samples; an
-inline device samples at enqueue and reads the batch as it is.
+seeds and logprobs samples in programs of fixed shape: the rules, then
+``sample_rows`` after its per-request draws (``draw_sampling``); one that
+needs more (``min_p``, a logits processor of the user's) runs vLLM's
+``Sampler``. On a threaded device the rest of what it reads is a snapshot
+taken at enqueue, because the main thread builds the next step while this
+one samples; an inline device samples at enqueue and reads the batch as it
+is.
 """
 
 from collections.abc import Sequence
@@ -168,13 +168,16 @@ def sample_in_program(
     pasts: QueryPasts | None = None,
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
     """The draws, the rows' rules (``logits_rules.py``, one query per row:
-    ``pasts`` where any acts), the sampling program, then the logprobs'
-    top-n (the request's n: vLLM's gather, on the scores the programs give).
-    A raw logprobs mode reads the logits before the rules (``raw_scores``),
-    as vLLM's sampler does."""
+    ``pasts`` where any acts), the sampling program, then the logprobs
+    (``_logprobs``, from the scores the programs give). A raw logprobs mode
+    reads the logits before the rules (``raw_scores``), as vLLM's sampler
+    does."""
     num_logprobs = metadata.max_num_logprobs
+    token_ids = metadata.logprob_token_ids
     draws = draw_sampling(metadata, is_sampled, logits.shape[1], noise_dtype(sampler))
-    scores_mode = None if num_logprobs is None else sampler.logprobs_mode
+    scores_mode = None
+    if num_logprobs is not None or token_ids:
+        scores_mode = sampler.logprobs_mode
     scores = None
     logits = logits.float()  # as vLLM's sampler takes them
     if any_rule(rules, metadata):
@@ -185,11 +188,29 @@ def sample_in_program(
         logits = logits[:, 0]
     sampled, processed = programs.sample_rows(logits, draws, scores_mode)
     scores = processed if scores is None else scores
-    logprobs = None
-    if scores is not None:
-        assert num_logprobs is not None
-        logprobs = sampler.gather_logprobs(scores, num_logprobs, sampled)
-    return sampled.to(torch.int32), logprobs
+    if scores is None:
+        return sampled.to(torch.int32), None
+    return sampled.to(torch.int32), _logprobs(sampler, scores, metadata, sampled)
+
+
+def _logprobs(
+    sampler: "Sampler",
+    scores: torch.Tensor,
+    metadata: "SamplingMetadata",
+    sampled: torch.Tensor,
+) -> LogprobsTensors | None:
+    """What vLLM's sampler reports from the scores: given tokens' logprobs
+    where a row asks for them (they win over the top-n), the whole
+    vocabulary's, unsorted and unranked, for n = -1, else the top-n beside
+    the sampled token's (vLLM's gathers, at the batch's n or list)."""
+    token_ids = metadata.logprob_token_ids
+    if token_ids:
+        return sampler.gather_specific_token_logprobs(scores, token_ids, sampled)
+    num_logprobs = metadata.max_num_logprobs
+    if num_logprobs == -1:
+        return LogprobsTensors(torch.empty(0), scores, torch.empty(0))
+    assert num_logprobs is not None
+    return sampler.gather_logprobs(scores, num_logprobs, sampled)
 
 
 def _vllm_sample(
@@ -214,16 +235,11 @@ def _vllm_sample(
 
 def in_sampling_program(metadata: "SamplingMetadata") -> bool:
     """Whether a step's rows need nothing of vLLM's sampler beyond the rules
-    (``logits_rules.py``), temperature, top-k, top-p, seeds and top-n
-    logprobs (``sample_rows``): no whole-vocabulary logprobs or logprobs of
-    given tokens, and no logits processor with a row to act on that the
+    (``logits_rules.py``), temperature, top-k, top-p, seeds and logprobs
+    (``sample_rows``): no logits processor with a row to act on that the
     rules do not stand in for (``min_p`` reports its rows; the user's may
     act on any step, so vLLM's sampler runs them)."""
-    return (
-        metadata.max_num_logprobs != -1
-        and not metadata.logprob_token_ids
-        and all(map(_idle, metadata.logitsprocs.all))
-    )
+    return all(map(_idle, metadata.logitsprocs.all))
 
 
 def _idle(processor: "LogitsProcessor") -> bool:

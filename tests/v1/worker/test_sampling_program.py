@@ -93,12 +93,25 @@ def test_the_program_samples_as_vllms_sampler(
             )
 
 
+# What a batch asks of the logprobs: the top 3, the whole vocabulary (vLLM's
+# n = -1), given tokens (its generative scoring: they win over the top-n).
+ASKED = {
+    "top3": {"max_num_logprobs": 3},
+    "vocab": {"max_num_logprobs": -1},
+    "given": {"max_num_logprobs": 2, "logprob_token_ids": {1: [4, 9], 3: [0]}},
+}
+
+
+@pytest.mark.parametrize("asked", list(ASKED))
 @pytest.mark.parametrize("mode", LOGPROBS_MODES)
 @pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "mixed"])
-def test_logprobs_are_vllms_in_every_mode(mode: str, all_greedy: bool) -> None:
-    """The top-n, the sampled token's logprob and rank, as vLLM's sampler
-    reports them: the processed modes after temperature, top-k and top-p
-    unless every row is greedy. Every random row seeded: all tokens equal."""
+def test_logprobs_are_vllms_in_every_mode(
+    mode: str, all_greedy: bool, asked: str
+) -> None:
+    """The top-n, the sampled token's logprob and rank, the whole
+    vocabulary's or given tokens', as vLLM's sampler reports them: the
+    processed modes after temperature, top-k and top-p unless every row is
+    greedy. Every random row seeded: all tokens equal."""
     sampler = Sampler(logprobs_mode=mode)
     temperatures = [0.0] * ROWS if all_greedy else TEMPERATURES
     random_rows = tuple(row for row, t in enumerate(temperatures) if t > 0)
@@ -106,7 +119,7 @@ def test_logprobs_are_vllms_in_every_mode(mode: str, all_greedy: bool) -> None:
     def metadata() -> SamplingMetadata:
         generators = _generators(9, random_rows)
         made = sampling_metadata(temperatures, generators, **_settings(True, True))
-        return replace(made, max_num_logprobs=3)
+        return replace(made, **ASKED[asked])
 
     ours, theirs = metadata(), metadata()
     logits = _logits()
@@ -116,6 +129,8 @@ def test_logprobs_are_vllms_in_every_mode(mode: str, all_greedy: bool) -> None:
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
     assert logprobs is not None and expected.logprobs_tensors is not None
+    width = {"top3": 4, "vocab": VOCAB, "given": 3}[asked]
+    assert logprobs.logprobs.shape == (ROWS, width)
     for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
         if isinstance(want, torch.Tensor):
             torch.testing.assert_close(got, want)
@@ -313,10 +328,10 @@ def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
 
 
 def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
-    """Whole-vocabulary logprobs, min_p with a row to act on, and any
-    processor of the user's; not the rules, which the programs apply, nor
-    vLLM's own processors for min_tokens and the logit bias, which they
-    stand in for."""
+    """min_p with a row to act on, and any processor of the user's; not the
+    rules, which the programs apply, nor vLLM's own processors for
+    min_tokens and the logit bias, which they stand in for, nor any
+    logprobs."""
     plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
     assert in_sampling_program(plain)
     cpu = torch.device("cpu")
@@ -331,11 +346,12 @@ def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
         replace(plain, bad_words_token_ids={0: [[3]]}),
         replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
         replace(plain, logitsprocs=builtin),
+        replace(plain, max_num_logprobs=-1),
+        replace(plain, logprob_token_ids={0: [3]}),
     ]
     for metadata in handled:
         assert in_sampling_program(metadata)
     needs_more = [
-        replace(plain, max_num_logprobs=-1),
         replace(plain, logitsprocs=LogitsProcessors([min_p])),
         replace(plain, logitsprocs=LogitsProcessors([users])),
     ]
