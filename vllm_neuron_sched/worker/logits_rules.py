@@ -4,7 +4,8 @@ plain step's one, a verify step's ``1 + K``): the allowed tokens, the bad
 words, ``min_tokens``, the logit bias, then the penalties.
 
 The host plans each row's settings into tensors when it builds the step
-(``plan_rules``: no per-request Python runs in an execution); the device
+(``plan_rules``: no per-request Python runs in an execution; ``min_p`` too,
+which vLLM applies while sampling and ``sample_rows`` does); the device
 applies them with the registered programs (``constrain_queries``), reading
 each query's past from the device histories (``history_rules.py``), never
 the host's lists, which under async scheduling still end in placeholders.
@@ -45,6 +46,9 @@ class RowRules:
     bad_words: BadWords | None = None
     min_tokens: MinTokens | None = None
     logit_bias: torch.Tensor | None = None  # [rows, vocab] float32
+    # [rows] float32 (0: none). vLLM applies it while sampling, after the
+    # temperature: ``sample_rows`` does (its draws carry it).
+    min_p: torch.Tensor | None = None
 
 
 NO_RULES = RowRules()
@@ -62,6 +66,7 @@ def plan_rules(
     bad_words: dict[int, list[list[int]]] = {}
     min_tokens: list[tuple[int, SamplingParams]] = []
     biases: list[tuple[int, dict[int, float]]] = []
+    min_p: dict[int, float] = {}
     for row, row_params in enumerate(params):
         if row_params is None:
             continue
@@ -71,14 +76,23 @@ def plan_rules(
             min_tokens.append((row, row_params))
         if row_params.logit_bias:
             biases.append((row, row_params.logit_bias))
-    if not (bad_words or min_tokens or biases):
+        if row_params.min_p:
+            min_p[row] = row_params.min_p
+    if not (bad_words or min_tokens or biases or min_p):
         return NO_RULES
     num_rows = len(params)
     return RowRules(
         plan_bad_words(num_rows, bad_words, bad_words_shape),
         _plan_min_tokens(num_rows, min_tokens, vocab) if min_tokens else None,
         _plan_logit_bias(num_rows, biases, vocab) if biases else None,
+        _per_row(num_rows, min_p) if min_p else None,
     )
+
+
+def _per_row(num_rows: int, values: dict[int, float]) -> torch.Tensor:
+    per_row = torch.zeros(num_rows, dtype=torch.float32)
+    per_row[list(values)] = torch.tensor(list(values.values()))
+    return per_row
 
 
 def _plan_min_tokens(

@@ -109,6 +109,7 @@ def _sample_rows_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
                         torch.ones(rows, dims.vocab, dtype=dims.noise_dtype)
                         if fp64
                         else None,
+                        _rows_of(rows, torch.float32),
                     )
                 )
         for draws in variants:

@@ -4,13 +4,12 @@ A step's rows sample on the device with the device's logits processors and
 output histories (``sampling_state.py``). A step that needs only what vLLM's
 sampler applies per request (allowed tokens, bad words, ``min_tokens``,
 logit bias, penalties: ``logits_rules.py``), temperature, top-k, top-p,
-seeds and logprobs samples in programs of fixed shape: the rules, then
-``sample_rows`` after its per-request draws (``draw_sampling``); one that
-needs more (``min_p``, a logits processor of the user's) runs vLLM's
-``Sampler``. On a threaded device the rest of what it reads is a snapshot
-taken at enqueue, because the main thread builds the next step while this
-one samples; an inline device samples at enqueue and reads the batch as it
-is.
+``min_p`` and logprobs samples in programs of fixed shape: the rules,
+then ``sample_rows`` after its per-request draws (``draw_sampling``); one
+with a logits processor of the user's runs vLLM's ``Sampler``. On a
+threaded device the rest of what it reads is a snapshot taken at enqueue,
+because the main thread builds the next step while this one samples; an
+inline device samples at enqueue and reads the batch as it is.
 """
 
 from collections.abc import Sequence
@@ -174,7 +173,9 @@ def sample_in_program(
     does."""
     num_logprobs = metadata.max_num_logprobs
     token_ids = metadata.logprob_token_ids
-    draws = draw_sampling(metadata, is_sampled, logits.shape[1], noise_dtype(sampler))
+    draws = draw_sampling(
+        metadata, is_sampled, logits.shape[1], noise_dtype(sampler), rules.min_p
+    )
     scores_mode = None
     if num_logprobs is not None or token_ids:
         scores_mode = sampler.logprobs_mode
@@ -235,18 +236,23 @@ def _vllm_sample(
 
 def in_sampling_program(metadata: "SamplingMetadata") -> bool:
     """Whether a step's rows need nothing of vLLM's sampler beyond the rules
-    (``logits_rules.py``), temperature, top-k, top-p, seeds and logprobs
-    (``sample_rows``): no logits processor with a row to act on that the
-    rules do not stand in for (``min_p`` reports its rows; the user's may
-    act on any step, so vLLM's sampler runs them)."""
+    (``logits_rules.py``), temperature, min_p, top-k, top-p, seeds and
+    logprobs (``sample_rows``): no logits processor of the user's (it may
+    act on any step, so vLLM's sampler runs it)."""
     return all(map(_idle, metadata.logitsprocs.all))
 
 
 def _idle(processor: "LogitsProcessor") -> bool:
-    if isinstance(processor, MinPLogitsProcessor):
-        return not processor.min_p_count
-    # The rules apply these two from the rows' parameters.
-    return isinstance(processor, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
+    """vLLM's built-in processors: the programs apply what they do from the
+    rows' parameters (``plan_rules``)."""
+    return isinstance(processor, BUILTIN_PROCESSORS)
+
+
+BUILTIN_PROCESSORS = (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 
 @dataclass(frozen=True)
@@ -254,13 +260,16 @@ class Draws:
     """What a step's random rows draw before ``sample_rows``, as vLLM's CPU
     sampler draws them: a seed per row for its Gumbel-max kernel, or with
     fp64 Gumbel noise (``use_fp64_gumbel``) an exponential per vocabulary
-    entry; a seeded row's from its own generator."""
+    entry; a seeded row's from its own generator. With them each row's
+    ``min_p`` (0 for none: it masks nothing, and the step keeps one graph
+    whether a row sets it or not)."""
 
     temperature: torch.Tensor  # [rows] float32
     top_k: torch.Tensor | None  # [rows] int32
     top_p: torch.Tensor | None  # [rows] float32
     seeds: torch.Tensor | None  # [rows] int64
     noise: torch.Tensor | None  # [rows, vocab] float64
+    min_p: torch.Tensor  # [rows] float32
 
 
 def draw_sampling(
@@ -268,11 +277,13 @@ def draw_sampling(
     is_sampled: np.ndarray,
     vocab: int,
     noise_dtype: torch.dtype,
+    min_p: torch.Tensor | None = None,
 ) -> Draws | None:
     """The per-request step before ``sample_rows`` (its generators are host
     objects). None when every row is greedy. A row that samples nothing (a
     prompt chunk that is not the last) draws nothing from its generator, so
-    seeds reproduce however a prompt is chunked."""
+    seeds reproduce however a prompt is chunked. ``min_p``: the rows'
+    (``plan_rules``), None when no row sets it."""
     if metadata.all_greedy:
         return None
     assert metadata.temperature is not None
@@ -293,7 +304,11 @@ def draw_sampling(
             seeds[row] = torch.randint(
                 0, 2**31, (1,), generator=generator, dtype=torch.long
             )[0]
-    return Draws(metadata.temperature, metadata.top_k, metadata.top_p, seeds, noise)
+    if min_p is None:
+        min_p = torch.zeros(rows, dtype=torch.float32)
+    return Draws(
+        metadata.temperature, metadata.top_k, metadata.top_p, seeds, noise, min_p
+    )
 
 
 def sample_rows(
@@ -303,7 +318,7 @@ def sample_rows(
     casts a model's other dtype first, and so does the step) -> each row's
     token [rows] int64 as vLLM's CPU sampler takes it (the argmax for a
     greedy row; for a random one Gumbel-max over the logits after
-    temperature, top-k and top-p), with vLLM's own kernels, so tokens and
+    temperature, min_p, top-k and top-p), with vLLM's own kernels, so tokens and
     seeds equal stock's; and with a logprobs mode (vLLM's ``logprobs_mode``)
     the [rows, vocab] float32 scores its sampler reads logprobs from in that
     mode."""
@@ -312,7 +327,9 @@ def sample_rows(
         tokens, processed = greedy, logits
     else:
         temperature = draws.temperature
-        processed = sampling_scaled(logits, 1, temperature, draws.top_k, draws.top_p)
+        processed = sampling_scaled(
+            logits, 1, temperature, draws.top_k, draws.top_p, draws.min_p
+        )
         if draws.seeds is not None:
             drawn = torch.ops._C.fused_gumbel_argmax(processed, draws.seeds)
         else:
@@ -330,8 +347,8 @@ def logprobs_scores(
 ) -> torch.Tensor:
     """What vLLM's logprobs ``mode`` reads, float32: the raw modes the logits
     as the forward gave them, the processed ones what the rows sample from
-    (``processed``: after temperature, top-k and top-p unless every row is
-    greedy, greedy rows at temperature 1); log-softmaxed for the logprobs
+    (``processed``: after temperature, min_p, top-k and top-p unless every
+    row is greedy, greedy rows at temperature 1); log-softmaxed for the logprobs
     modes."""
     source = processed if mode.startswith("processed") else raw.float()
     if mode.endswith("logprobs"):
@@ -352,25 +369,30 @@ def sampling_scaled(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``logits`` (a new tensor), ``queries_per_row`` consecutive ones per
-    batch row, divided by their rows' temperatures (1 for greedy rows) and
-    masked to their top-k and top-p: the distribution a random row samples
-    from, and vLLM's processed logits. The settings hold one entry per batch
-    row. vLLM's sort-based masks, which keep the shape static (its
-    top-k-only path reads the largest k back to the host, and masks the
-    same tokens)."""
+    batch row, divided by their rows' temperatures (1 for greedy rows),
+    masked where a token's probability is below ``min_p`` times the row's
+    largest (vLLM's min_p processor, which runs between the two) and to
+    their top-k and top-p: the distribution a random row samples from, and
+    vLLM's processed logits. The settings hold one entry per batch row.
+    vLLM's sort-based masks, which keep the shape static (its top-k-only
+    path reads the largest k back to the host, and masks the same
+    tokens)."""
 
     def per_query(values: torch.Tensor | None) -> torch.Tensor | None:
         return None if values is None else values.repeat_interleave(queries_per_row)
 
     temperature = temperature.repeat_interleave(queries_per_row)
     temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
+    scaled = logits / temperature[:, None].float()
+    if min_p is not None:
+        probs = scaled.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * per_query(min_p)[:, None]
+        scaled = scaled.masked_fill(probs < floor, -torch.inf)
     return apply_top_k_top_p_pytorch(
-        logits / temperature[:, None].float(),
-        per_query(top_k),
-        per_query(top_p),
-        allow_cpu_sync=False,
+        scaled, per_query(top_k), per_query(top_p), allow_cpu_sync=False
     )
 
 

@@ -288,6 +288,52 @@ def test_every_rule_samples_as_vllms_sampler(mode: str) -> None:
             torch.testing.assert_close(got, want)
 
 
+# Rows' min_p (0: none), on greedy rows too: vLLM's processed scores see it.
+MIN_P = [0.3, 0.99, 0.0, 0.2, 0.5, 0.1]
+
+
+@pytest.mark.parametrize("fp64", [False, True], ids=["seeds", "fp64_noise"])
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
+def test_min_p_samples_as_vllms_sampler(mode: str, fp64: bool) -> None:
+    """Every random row seeded, with top-k and top-p: min_p after the
+    temperature and before them, as vLLM's built-in processor applies it,
+    gives vLLM's tokens and logprobs; a row whose min_p cuts its draw's
+    candidates to one takes that one (row 1: all but one of its tokens
+    within 5% of the best, which a draw without min_p would take at 1 in
+    50)."""
+    cpu = torch.device("cpu")
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=ROWS))
+    params = [SamplingParams(min_p=value) for value in MIN_P]
+    random_rows = tuple(row for row, t in enumerate(TEMPERATURES) if t > 0)
+    sampler = Sampler(logprobs_mode=mode, use_fp64_gumbel=fp64)
+
+    def metadata() -> SamplingMetadata:
+        min_p = MinPLogitsProcessor(config, cpu, False)  # type: ignore[arg-type]
+        added = [(row, p, None, []) for row, p in enumerate(params)]
+        min_p.update_state(BatchUpdate(ROWS, [], added, []))
+        made = sampling_metadata(
+            TEMPERATURES, _generators(21, random_rows), **_settings(True, True)
+        )
+        return replace(made, max_num_logprobs=2, logitsprocs=LogitsProcessors([min_p]))
+
+    ours, theirs = metadata(), metadata()
+    assert in_sampling_program(ours)
+    logits = _logits(6)
+    logits[1] = 0.0
+    logits[1, 7] = 0.05
+    logits[4, 11] = logits[4].max() + 3.0  # min_p 0.5 at temperature 1.3
+    tokens, logprobs = sample_in_program(
+        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _rules(params)
+    )
+    expected = sampler(logits.clone(), theirs)
+    assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
+    assert tokens[1] == 7 and tokens[4] == 11
+    assert logprobs is not None and expected.logprobs_tensors is not None
+    for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want)
+
+
 def test_a_row_that_samples_nothing_draws_nothing() -> None:
     """A prompt chunk that is not the last: its generator stays, so the seed
     gives the same tokens however the prompt is chunked."""
@@ -328,10 +374,9 @@ def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
 
 
 def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
-    """min_p with a row to act on, and any processor of the user's; not the
-    rules, which the programs apply, nor vLLM's own processors for
-    min_tokens and the logit bias, which they stand in for, nor any
-    logprobs."""
+    """Any processor of the user's; not the rules, which the programs apply,
+    nor vLLM's built-in processors (min_tokens, the logit bias, min_p),
+    which they stand in for, nor any logprobs."""
     plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
     assert in_sampling_program(plain)
     cpu = torch.device("cpu")
@@ -346,16 +391,12 @@ def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
         replace(plain, bad_words_token_ids={0: [[3]]}),
         replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
         replace(plain, logitsprocs=builtin),
+        replace(plain, logitsprocs=LogitsProcessors([min_p])),
         replace(plain, max_num_logprobs=-1),
         replace(plain, logprob_token_ids={0: [3]}),
     ]
     for metadata in handled:
         assert in_sampling_program(metadata)
-    needs_more = [
-        replace(plain, logitsprocs=LogitsProcessors([min_p])),
-        replace(plain, logitsprocs=LogitsProcessors([users])),
-    ]
-    for metadata in needs_more:
-        assert not in_sampling_program(metadata)
-    idle = MinPLogitsProcessor(config, cpu, False)  # type: ignore[arg-type]
-    assert in_sampling_program(replace(plain, logitsprocs=LogitsProcessors([idle])))
+    assert not in_sampling_program(
+        replace(plain, logitsprocs=LogitsProcessors([users]))
+    )
