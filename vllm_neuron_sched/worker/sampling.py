@@ -23,11 +23,6 @@ import vllm._custom_ops  # noqa: F401  (loads the CPU sampling kernels)
 from torch._library.simple_registry import singleton as _op_registry
 from vllm.logger import init_logger
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.logits_processor.builtin import (
-    LogitBiasLogitsProcessor,
-    MinPLogitsProcessor,
-    MinTokensLogitsProcessor,
-)
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
 from vllm_neuron_sched.worker.logits_rules import (
@@ -39,6 +34,7 @@ from vllm_neuron_sched.worker.logits_rules import (
     reads_history,
 )
 from vllm_neuron_sched.worker.results import Sampled
+from vllm_neuron_sched.worker.sampling_state import BUILTIN_PROCESSORS
 
 logger = init_logger(__name__)
 
@@ -139,10 +135,7 @@ def sample_on_device(
         tokens.accept(
             slots, inputs.next_positions, sampled[:, None], torch.ones_like(slots)
         )
-        state.record(
-            req_ids,
-            [[t] if s else [] for t, s in zip(sampled.tolist(), is_sampled.tolist())],
-        )
+        state.record(req_ids, sampled[:, None], torch.from_numpy(is_sampled))
     return Sampled(sampled, logprobs)
 
 
@@ -246,13 +239,6 @@ def _idle(processor: "LogitsProcessor") -> bool:
     """vLLM's built-in processors: the programs apply what they do from the
     rows' parameters (``plan_rules``)."""
     return isinstance(processor, BUILTIN_PROCESSORS)
-
-
-BUILTIN_PROCESSORS = (
-    LogitBiasLogitsProcessor,
-    MinPLogitsProcessor,
-    MinTokensLogitsProcessor,
-)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """What sampling keeps on the device from step to step: the logits
-processors (vLLM's built-in ones and the user's) and the output histories
-they, the penalties and the bad words read.
+processors (vLLM's built-in ones and the user's) and, where the user's are,
+the output histories they read (as lists, vLLM's processor interface; the
+sampling programs read the device's token histories instead).
 
 Both belong to the device side and are touched by sampling executions only,
 in step order (the ownership rule): a step's sampling first hands the
@@ -10,7 +11,9 @@ sampled to the histories. So a processor's state carries over from step to
 step on every backend, and what it reads as a request's output is the real
 tokens of every step before, as stock vLLM's async runner makes sure before
 its sampler runs: the host's histories still end in placeholders then, and
-the device's never do.
+the device's never do. Appending reads the sampled tokens back to the host
+inside the execution: a port's host step, needed only for the user's
+processors (``keeps_histories``).
 
 The host's input batch holds a recorder in place of the processors: vLLM's
 ``InputBatch.refresh_metadata`` hands it the step's ``BatchUpdate``, which
@@ -28,11 +31,24 @@ from vllm.v1.sample.logits_processor import (
     LogitsProcessor,
     LogitsProcessors,
 )
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor.interface import MovedRequest
     from vllm.v1.sample.metadata import SamplingMetadata
+
+# vLLM's built-in processors: the sampling programs apply what they do from
+# the rows' parameters (``logits_rules.py``), and read no history.
+BUILTIN_PROCESSORS = (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 # A request that joined the batch: (batch index, its params, its prompt, its
 # id, the outputs its device history starts from: [] for a new request, the
@@ -87,6 +103,12 @@ class SamplingState:
     def __init__(self, processors: LogitsProcessors) -> None:
         self.processors = processors
         self.histories: dict[str, list[int]] = {}
+        # Only the user's processors read the histories (and vLLM's sampler,
+        # which runs where they are): without any, a sampling execution
+        # reads nothing back to the host, and the lists stay as they began.
+        self.keeps_histories = not all(
+            isinstance(p, BUILTIN_PROCESSORS) for p in processors.all
+        )
         # The processors have had this step's update_state already.
         self._updated = False
 
@@ -134,17 +156,23 @@ class SamplingState:
         if not self._updated:
             self._update_processors(None)
         self._updated = False
-        histories = (
-            [self.histories[req_id] for req_id in req_ids] if needs_histories else []
-        )
+        histories = []
+        if needs_histories and self.keeps_histories:
+            histories = [self.histories[req_id] for req_id in req_ids]
         return replace(
             metadata, output_token_ids=histories, logitsprocs=self.processors
         )
 
-    def record(self, req_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
-        """In a sampling execution, after the sampler: each row's new output
-        tokens (none for a row that sampled nothing)."""
+    def record(
+        self, req_ids: Sequence[str], tokens: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """In a sampling execution, after the sampler: each row's first
+        ``counts`` of ``tokens`` [rows, W] are its new outputs (none for a
+        row that sampled nothing). Read to the host only where the
+        histories are kept (``keeps_histories``)."""
+        if not self.keeps_histories:
+            return
         histories = self.histories
-        for req_id, new in zip(req_ids, tokens):
-            if new:
-                histories[req_id].extend(new)
+        for req_id, new, count in zip(req_ids, tokens.tolist(), counts.tolist()):
+            if count:
+                histories[req_id].extend(new[: int(count)])

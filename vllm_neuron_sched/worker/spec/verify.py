@@ -188,10 +188,7 @@ def verify_on_device(
         if metadata.max_num_logprobs is not None:
             logprobs = verify_logprobs(sampler, raw_logits, logits, sampled, metadata)
         tokens.accept(plan.slots, forward.starts, sampled, accepted)
-        state.record(
-            req_ids,
-            [run[:n] for run, n in zip(sampled.tolist(), accepted.tolist())],
-        )
+        state.record(req_ids, sampled, accepted)
         proposer.propose(
             tokens,
             AcceptedTokens(
