@@ -8,10 +8,13 @@ prompt and 100 output tokens each: the milliseconds of one step's sampling
 by vLLM's ``Sampler`` (what a step with penalties or bad words ran before
 they became programs), by our programs eager (the inline and thread
 devices) and by our programs compiled per shape with inductor (the compiled
-device: ``compile_programs``, whose cold compile time it also prints). Four
-cases: plain; the three penalties; penalties and two bad words per row;
-every rule (those, allowed tokens, ``min_tokens`` and a logit bias: vLLM's
-sampler applies the last two with its built-in processors).
+device: ``compile_programs``, whose cold compile time it also prints). Six
+cases: plain (greedy); random rows (temperature 0.8, top-p 0.9: the
+programs apply a ``min_p`` of 0 too, one graph for rows with and without);
+random rows with ``min_p`` 0.05; the three penalties; penalties and two bad
+words per row; every rule (those, allowed tokens, ``min_tokens`` and a logit
+bias). vLLM's sampler applies ``min_p``, ``min_tokens`` and the logit bias
+with its built-in processors.
 Medians over ``R`` repeats of ``N`` calls, two torch threads (the device's).
 """
 
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -28,6 +32,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
     MinTokensLogitsProcessor,
 )
 from vllm.v1.sample.sampler import Sampler
@@ -45,7 +50,8 @@ PROMPT, OUTPUT = 200, 100
 BUCKETS = (1, 2, 4)
 # vLLM's per-request bad-words limits (its defaults): the compiled layout.
 BAD_WORDS_SHAPE = (128, 1024)
-CASES = ("plain", "penalties", "bad_words", "every_rule")
+CASES = ("plain", "random", "min_p", "penalties", "bad_words", "every_rule")
+RANDOM = ("random", "min_p")
 
 
 def _params(name: str, words: list[list[int]]) -> SamplingParams:
@@ -55,6 +61,8 @@ def _params(name: str, words: list[list[int]]) -> SamplingParams:
         params = SamplingParams(
             min_tokens=OUTPUT + 10, stop_token_ids=[2], logit_bias={7: 1.5, 8: -2.0}
         )
+    elif name == "min_p":
+        params = SamplingParams(min_p=0.05)
     else:
         params = SamplingParams()
     params._bad_words_token_ids = words if name in ("bad_words", "every_rule") else []
@@ -62,11 +70,13 @@ def _params(name: str, words: list[list[int]]) -> SamplingParams:
 
 
 def _builtin_processors(params: list[SamplingParams], outputs: list) -> object:
-    """vLLM's min_tokens and logit-bias processors, told of the rows."""
+    """vLLM's built-in processors, told of the rows."""
     cpu = torch.device("cpu")
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
     processors = [
         MinTokensLogitsProcessor(None, cpu, False),  # type: ignore[arg-type]
         LogitBiasLogitsProcessor(None, cpu, False),
+        MinPLogitsProcessor(config, cpu, False),  # type: ignore[arg-type]
     ]
     added = [(row, p, None, outputs[row]) for row, p in enumerate(params)]
     for processor in processors:
@@ -78,10 +88,12 @@ def _case(rows: int, name: str, generator: torch.Generator) -> tuple:
     """The metadata vLLM's sampler reads, and the rules (per bad-words
     shape) and the pasts our programs read."""
     metadata = sampling_metadata([0.0] * rows)
+    if name in RANDOM:
+        metadata = sampling_metadata([0.8] * rows, top_p=[0.9] * rows)
     history = torch.randint(0, VOCAB, (rows, history_width(MAX_MODEL_LEN, 0)))
     outputs = [history[row, PROMPT : PROMPT + OUTPUT].tolist() for row in range(rows)]
     words = {row: [[11, 12], [int(history[row, -1])]] for row in range(rows)}
-    if name != "plain":
+    if name not in ("plain", *RANDOM):
         metadata = replace(
             metadata,
             no_penalties=False,
@@ -94,14 +106,12 @@ def _case(rows: int, name: str, generator: torch.Generator) -> tuple:
     params = [_params(name, words[row]) for row in range(rows)]
     if name in ("bad_words", "every_rule"):
         metadata = replace(metadata, bad_words_token_ids=words)
+    if name in ("every_rule", "min_p"):
+        metadata = replace(metadata, logitsprocs=_builtin_processors(params, outputs))
     if name == "every_rule":
         disallowed = torch.zeros(rows, VOCAB, dtype=torch.bool)
         disallowed[:, VOCAB // 2 :] = True
-        metadata = replace(
-            metadata,
-            allowed_token_ids_mask=disallowed,
-            logitsprocs=_builtin_processors(params, outputs),
-        )
+        metadata = replace(metadata, allowed_token_ids_mask=disallowed)
     pasts = QueryPasts(
         history.long(),
         torch.full((rows, 1), PROMPT + OUTPUT),
