@@ -40,7 +40,6 @@ logger = init_logger(__name__)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-    from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
@@ -231,14 +230,9 @@ def in_sampling_program(metadata: "SamplingMetadata") -> bool:
     """Whether a step's rows need nothing of vLLM's sampler beyond the rules
     (``logits_rules.py``), temperature, min_p, top-k, top-p, seeds and
     logprobs (``sample_rows``): no logits processor of the user's (it may
-    act on any step, so vLLM's sampler runs it)."""
-    return all(map(_idle, metadata.logitsprocs.all))
-
-
-def _idle(processor: "LogitsProcessor") -> bool:
-    """vLLM's built-in processors: the programs apply what they do from the
-    rows' parameters (``plan_rules``)."""
-    return isinstance(processor, BUILTIN_PROCESSORS)
+    act on any step, so vLLM's sampler runs it; the programs apply what
+    vLLM's built-in ones do from the rows' parameters, ``plan_rules``)."""
+    return all(isinstance(p, BUILTIN_PROCESSORS) for p in metadata.logitsprocs.all)
 
 
 @dataclass(frozen=True)
