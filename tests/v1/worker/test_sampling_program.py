@@ -23,8 +23,9 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.testing.logits_processors import CountingStopProcessor
 from vllm_neuron_sched.testing.sampling import sampling_metadata
+from vllm_neuron_sched.worker.compiled import CompiledProgram, compile_programs
 from vllm_neuron_sched.worker.logits_rules import QueryPasts, RowRules, plan_rules
-from vllm_neuron_sched.worker.programs import EAGER
+from vllm_neuron_sched.worker.programs import EAGER, Dimensions, Programs
 from vllm_neuron_sched.worker.sampling import (
     draw_sampling,
     in_sampling_program,
@@ -175,7 +176,10 @@ def _params(per_row: dict[int, dict] | None = None) -> list[SamplingParams]:
     return params
 
 
-def _pasts(width: int = 16) -> QueryPasts:
+HISTORY_WIDTH = 16
+
+
+def _pasts(width: int = HISTORY_WIDTH) -> QueryPasts:
     """The device histories: prompt then outputs, garbage past them."""
     history = torch.full((ROWS, width), 2, dtype=torch.int64)
     for row, (prompt, outputs) in enumerate(zip(PROMPTS, OUTPUTS)):
@@ -226,21 +230,25 @@ def test_bad_words_and_penalties_sample_as_vllms_sampler(mode: str) -> None:
 
 
 # Row 0 (greedy) would stop (17) before its min_tokens; row 1 is biased
-# towards 33, row 2 allowed 5, 6 and 7 only; row 4 has its min_tokens.
+# towards 33, row 2 allowed 5, 6 and 7 only; row 4 has its min_tokens; row 5
+# sets min_p.
 RULES = {
     0: {"min_tokens": 5, "stop_token_ids": [17]},
     1: {"logit_bias": {33: 40.0, 2: -3.0}},
     2: {"allowed_token_ids": [5, 6, 7]},
     4: {"min_tokens": 1, "stop_token_ids": [9]},
+    5: {"min_p": 0.2},
 }
+MAX_NUM_SEQS = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=ROWS))
 
 
 def _builtin_processors(params: list[SamplingParams]) -> LogitsProcessors:
-    """vLLM's min_tokens and logit bias processors, told of the rows."""
+    """vLLM's built-in processors, told of the rows."""
     cpu = torch.device("cpu")
     processors = [
         MinTokensLogitsProcessor(None, cpu, False),  # type: ignore[arg-type]
         LogitBiasLogitsProcessor(None, cpu, False),
+        MinPLogitsProcessor(MAX_NUM_SEQS, cpu, False),  # type: ignore[arg-type]
     ]
     added = [(row, p, None, list(OUTPUTS[row])) for row, p in enumerate(params)]
     for processor in processors:
@@ -250,10 +258,47 @@ def _builtin_processors(params: list[SamplingParams]) -> LogitsProcessors:
 
 @pytest.mark.parametrize("mode", LOGPROBS_MODES)
 def test_every_rule_samples_as_vllms_sampler(mode: str) -> None:
-    """Allowed tokens, bad words, min_tokens, logit bias and the penalties
-    together, each as the rows' parameters plan it (``plan_rules``), then
-    the sampling program: vLLM's tokens and logprobs, which its sampler gets
-    from its input batch's mask and its built-in processors."""
+    """Allowed tokens, bad words, min_tokens, logit bias, the penalties and
+    min_p together, each as the rows' parameters plan it (``plan_rules``),
+    then the sampling program: vLLM's tokens and logprobs, which its
+    sampler gets from its input batch's mask and its built-in processors."""
+    _every_rule_against_vllm(mode, EAGER)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_every_rule_runs_in_the_compiled_programs(mode: str) -> None:
+    """The same step on the compiled device's programs (dynamo's eager
+    backend): each call at a declared shape and dtype (any other fails with
+    ``ShapeNotCompiledError``), 6 rows padded to the bucket of 8; vLLM's
+    tokens and logprobs."""
+    torch._dynamo.reset()
+    dims = Dimensions(
+        rows=(1, 2, 4, 8),
+        vocab=VOCAB,
+        history_len=HISTORY_WIDTH,
+        noise_dtype=torch.float32,
+        logprobs_mode=mode,
+        bad_words=(4, 8),
+    )
+    options = {"fullgraph": True, "dynamic": False, "backend": "eager"}
+    programs = compile_programs(dims, options, lambda fn, *args: fn(*args), "test")
+    calls = _every_rule_against_vllm(mode, programs)
+    # The raw scores are a program of the raw modes only.
+    raw = {"raw_scores": 1} if mode.startswith("raw") else {}
+    assert calls == {
+        "sample_rows": 1,
+        **raw,
+        "mask_tokens": 1,
+        "mask_bad_words": 1,
+        "mask_min_tokens": 1,
+        "add_logit_bias": 1,
+        "penalize_queries": 1,
+    }
+
+
+def _every_rule_against_vllm(mode: str, programs: Programs) -> dict[str, int]:
+    """One step of every rule, ours against vLLM's sampler; the calls each
+    compiled program served."""
     sampler = Sampler(logprobs_mode=mode)
     random_rows = tuple(row for row, t in enumerate(TEMPERATURES) if t > 0)
     params = _params(RULES)
@@ -275,8 +320,9 @@ def test_every_rule_samples_as_vllms_sampler(mode: str) -> None:
     logits = _logits(5)
     logits[0, 17] = logits[0].max() + 5.0
     logits[4, 9] = logits[4].max() + 50.0  # row 4 has its one output: may stop
+    rules = plan_rules(params, VOCAB, programs.bad_words_shape)
     tokens, logprobs = sample_in_program(
-        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _rules(params), _pasts()
+        sampler, programs, logits.clone(), ours, ALL_SAMPLED, rules, _pasts()
     )
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
@@ -286,6 +332,11 @@ def test_every_rule_samples_as_vllms_sampler(mode: str) -> None:
     for got, want in zip(logprobs, expected.logprobs_tensors, strict=True):
         if isinstance(want, torch.Tensor):
             torch.testing.assert_close(got, want)
+    return {
+        name: program.calls
+        for name, program in vars(programs).items()
+        if isinstance(program, CompiledProgram)
+    }
 
 
 # Rows' min_p (0: none), on greedy rows too: vLLM's processed scores see it.
@@ -302,13 +353,12 @@ def test_min_p_samples_as_vllms_sampler(mode: str, fp64: bool) -> None:
     within 5% of the best, which a draw without min_p would take at 1 in
     50)."""
     cpu = torch.device("cpu")
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=ROWS))
     params = [SamplingParams(min_p=value) for value in MIN_P]
     random_rows = tuple(row for row, t in enumerate(TEMPERATURES) if t > 0)
     sampler = Sampler(logprobs_mode=mode, use_fp64_gumbel=fp64)
 
     def metadata() -> SamplingMetadata:
-        min_p = MinPLogitsProcessor(config, cpu, False)  # type: ignore[arg-type]
+        min_p = MinPLogitsProcessor(MAX_NUM_SEQS, cpu, False)  # type: ignore[arg-type]
         added = [(row, p, None, []) for row, p in enumerate(params)]
         min_p.update_state(BatchUpdate(ROWS, [], added, []))
         made = sampling_metadata(
@@ -380,8 +430,7 @@ def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
     plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
     assert in_sampling_program(plain)
     cpu = torch.device("cpu")
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=ROWS))
-    min_p = MinPLogitsProcessor(config, cpu, False)  # type: ignore[arg-type]
+    min_p = MinPLogitsProcessor(MAX_NUM_SEQS, cpu, False)  # type: ignore[arg-type]
     params = SamplingParams(min_p=0.1)
     min_p.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
     users = CountingStopProcessor(None, cpu, False)
