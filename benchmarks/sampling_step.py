@@ -35,13 +35,18 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
 )
+from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.compiled import compile_programs
-from vllm_neuron_sched.worker.logits_rules import QueryPasts, plan_rules
-from vllm_neuron_sched.worker.programs import EAGER, Dimensions
-from vllm_neuron_sched.worker.sampling import sample_in_program
+from vllm_neuron_sched.worker.logits_rules import QueryPasts, RowRules, plan_rules
+from vllm_neuron_sched.worker.programs import EAGER, Dimensions, Programs
+from vllm_neuron_sched.worker.sampling import (
+    draw_sampling,
+    noise_dtype,
+    sample_in_program,
+)
 from vllm_neuron_sched.worker.token_table import history_width
 
 VOCAB = 49152  # SmolLM2's
@@ -127,6 +132,20 @@ def _vllm(sampler: Sampler, logits: torch.Tensor, metadata: object) -> object:
     return sampler(logits.clone(), metadata)
 
 
+def _ours(
+    sampler: Sampler,
+    programs: Programs,
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    sampled: np.ndarray,
+    rules: RowRules,
+    pasts: QueryPasts,
+) -> object:
+    """The host's draws (at enqueue in an engine), then the programs."""
+    draws = draw_sampling(metadata, sampled, VOCAB, noise_dtype(sampler), rules.min_p)
+    return sample_in_program(sampler, programs, logits, metadata, draws, rules, pasts)
+
+
 def _median_ms(call: Callable[[], object], repeats: int, calls: int) -> float:
     call()
     times = []
@@ -168,17 +187,10 @@ def main() -> None:
             calls = [
                 partial(_vllm, sampler, logits, metadata),
                 partial(
-                    sample_in_program,
-                    sampler,
-                    EAGER,
-                    logits,
-                    metadata,
-                    sampled,
-                    rules[None],
-                    pasts,
+                    _ours, sampler, EAGER, logits, metadata, sampled, rules[None], pasts
                 ),
                 partial(
-                    sample_in_program,
+                    _ours,
                     sampler,
                     compiled,
                     logits,

@@ -5,8 +5,9 @@ output histories (``sampling_state.py``). A step that needs only what vLLM's
 sampler applies per request (allowed tokens, bad words, ``min_tokens``,
 logit bias, penalties: ``logits_rules.py``), temperature, top-k, top-p,
 ``min_p`` and logprobs samples in programs of fixed shape: the rules,
-then ``sample_rows`` after its per-request draws (``draw_sampling``); one
-with a logits processor of the user's runs vLLM's ``Sampler``. On a
+then ``sample_rows`` after the per-request draws the host makes at enqueue
+(``draw_sampling``); an engine with logits processors of the user's
+samples with vLLM's ``Sampler`` (their Python acts on the logits). On a
 threaded device the rest of what it reads is a snapshot taken at enqueue,
 because the main thread builds the next step while this one samples; an
 inline device samples at enqueue and reads the batch as it is.
@@ -34,7 +35,6 @@ from vllm_neuron_sched.worker.logits_rules import (
     reads_history,
 )
 from vllm_neuron_sched.worker.results import Sampled
-from vllm_neuron_sched.worker.sampling_state import BUILTIN_PROCESSORS
 
 logger = init_logger(__name__)
 
@@ -57,16 +57,25 @@ def sampling_inputs(
     grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     req_ids: list[str],
     snapshot: bool,
-) -> "tuple[SamplingMetadata, bool, StepMasks | None]":
+    drawn_for: "tuple[StepInputs, Sampler, int] | None" = None,
+) -> "tuple[SamplingMetadata, bool, StepMasks | None, Draws | None]":
     """Host side, at enqueue: what a sampling execution of these rows reads
     besides its logits and the device's sampling state: the metadata (a
     snapshot when ``snapshot``: a threaded device), whether the sampler
-    reads histories, the step's own grammar masks."""
+    reads histories, the step's own grammar masks, and where the programs
+    sample (``drawn_for``: the step's inputs, the sampler, the vocabulary)
+    the rows' draws (``draw_sampling``)."""
     needs_histories = bool(metadata.output_token_ids)
     if snapshot:
         metadata = snapshot_sampling_metadata(metadata)
     masks = None if grammar is None else own_masks(*grammar, req_ids)
-    return metadata, needs_histories, masks
+    draws = None
+    if drawn_for is not None:
+        inputs, sampler, vocab = drawn_for
+        draws = draw_sampling(
+            metadata, inputs.is_sampled, vocab, noise_dtype(sampler), inputs.rules.min_p
+        )
+    return metadata, needs_histories, masks, draws
 
 
 def snapshot_sampling_metadata(metadata: "SamplingMetadata") -> "SamplingMetadata":
@@ -104,9 +113,11 @@ def sample_on_device(
     needs_histories: bool,
     inputs: "StepInputs",
     grammar: "StepMasks | None",
+    draws: "Draws | None",
 ) -> Sampled:
-    """Runs on the device thread. Samples with the device's processors and
-    histories, writes each sampling row's token into the device token table
+    """Runs on the device thread. Samples in the programs (``draws``: the
+    host's, ``draw_sampling``), or with the user's processors by vLLM's
+    sampler, writes each sampling row's token into the device token table
     and history (``inputs.sample_slots``: non-sampling rows point at the
     spare slot) and the processors' histories, and returns the tokens and
     their logprobs."""
@@ -118,13 +129,13 @@ def sample_on_device(
         if grammar is not None:
             rows = SimpleNamespace(req_ids=grammar.req_ids)
             apply_grammar_bitmask(_NO_DRAFTS, grammar.grammar_output, rows, logits)
-        if in_sampling_program(metadata):
+        if not state.user_processors:
             sampled, logprobs = sample_in_program(
                 sampler,
                 programs,
                 logits,
                 metadata,
-                is_sampled,
+                draws,
                 inputs.rules,
                 _plain_pasts(tokens, inputs, reads_history(inputs.rules, metadata)),
             )
@@ -154,20 +165,17 @@ def sample_in_program(
     programs: "Programs",
     logits: torch.Tensor,
     metadata: "SamplingMetadata",
-    is_sampled: np.ndarray,
+    draws: "Draws | None",
     rules: RowRules = NO_RULES,
     pasts: QueryPasts | None = None,
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
-    """The draws, the rows' rules (``logits_rules.py``, one query per row:
-    ``pasts`` where any acts), the sampling program, then the logprobs
-    (``_logprobs``, from the scores the programs give). A raw logprobs mode
-    reads the logits before the rules (``raw_scores``), as vLLM's sampler
-    does."""
+    """The rows' rules (``logits_rules.py``, one query per row: ``pasts``
+    where any acts), the sampling program after the host's ``draws``, then
+    the logprobs (``_logprobs``, from the scores the programs give). A raw
+    logprobs mode reads the logits before the rules (``raw_scores``), as
+    vLLM's sampler does."""
     num_logprobs = metadata.max_num_logprobs
     token_ids = metadata.logprob_token_ids
-    draws = draw_sampling(
-        metadata, is_sampled, logits.shape[1], noise_dtype(sampler), rules.min_p
-    )
     scores_mode = None
     if num_logprobs is not None or token_ids:
         scores_mode = sampler.logprobs_mode
@@ -226,15 +234,6 @@ def _vllm_sample(
     return output.sampled_token_ids[:, 0].to(torch.int32), output.logprobs_tensors
 
 
-def in_sampling_program(metadata: "SamplingMetadata") -> bool:
-    """Whether a step's rows need nothing of vLLM's sampler beyond the rules
-    (``logits_rules.py``), temperature, min_p, top-k, top-p, seeds and
-    logprobs (``sample_rows``): no logits processor of the user's (it may
-    act on any step, so vLLM's sampler runs it; the programs apply what
-    vLLM's built-in ones do from the rows' parameters, ``plan_rules``)."""
-    return all(isinstance(p, BUILTIN_PROCESSORS) for p in metadata.logitsprocs.all)
-
-
 @dataclass(frozen=True)
 class Draws:
     """What a step's random rows draw before ``sample_rows``, as vLLM's CPU
@@ -259,8 +258,9 @@ def draw_sampling(
     noise_dtype: torch.dtype,
     min_p: torch.Tensor | None = None,
 ) -> Draws | None:
-    """The per-request step before ``sample_rows`` (its generators are host
-    objects). None when every row is greedy. A row that samples nothing (a
+    """Host side, at enqueue: the per-request step before ``sample_rows``
+    (its generators are host objects, drawn from in step order on the host
+    thread alone). None when every row is greedy. A row that samples nothing (a
     prompt chunk that is not the last) draws nothing from its generator, so
     seeds reproduce however a prompt is chunked. ``min_p``: the rows'
     (``plan_rules``), None when no row sets it."""

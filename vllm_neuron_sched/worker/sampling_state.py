@@ -13,7 +13,7 @@ tokens of every step before, as stock vLLM's async runner makes sure before
 its sampler runs: the host's histories still end in placeholders then, and
 the device's never do. Appending reads the sampled tokens back to the host
 inside the execution: a port's host step, needed only for the user's
-processors (``keeps_histories``).
+processors (``user_processors``).
 
 The host's input batch holds a recorder in place of the processors: vLLM's
 ``InputBatch.refresh_metadata`` hands it the step's ``BatchUpdate``, which
@@ -103,10 +103,12 @@ class SamplingState:
     def __init__(self, processors: LogitsProcessors) -> None:
         self.processors = processors
         self.histories: dict[str, list[int]] = {}
-        # Only the user's processors read the histories (and vLLM's sampler,
-        # which runs where they are): without any, a sampling execution
-        # reads nothing back to the host, and the lists stay as they began.
-        self.keeps_histories = not all(
+        # A start-up fact: with the user's processors vLLM's sampler samples
+        # (their Python acts on the logits) and the lists are kept for them;
+        # without, the programs sample (they apply what the built-in ones
+        # do), a sampling execution reads nothing back to the host, and the
+        # lists stay as they began.
+        self.user_processors = not all(
             isinstance(p, BUILTIN_PROCESSORS) for p in processors.all
         )
         # The processors have had this step's update_state already.
@@ -157,7 +159,7 @@ class SamplingState:
             self._update_processors(None)
         self._updated = False
         histories = []
-        if needs_histories and self.keeps_histories:
+        if needs_histories and self.user_processors:
             histories = [self.histories[req_id] for req_id in req_ids]
         return replace(
             metadata, output_token_ids=histories, logitsprocs=self.processors
@@ -169,8 +171,8 @@ class SamplingState:
         """In a sampling execution, after the sampler: each row's first
         ``counts`` of ``tokens`` [rows, W] are its new outputs (none for a
         row that sampled nothing). Read to the host only where the
-        histories are kept (``keeps_histories``)."""
-        if not self.keeps_histories:
+        histories are kept (``user_processors``)."""
+        if not self.user_processors:
             return
         histories = self.histories
         for req_id, new, count in zip(req_ids, tokens.tolist(), counts.tolist()):

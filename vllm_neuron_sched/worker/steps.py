@@ -32,6 +32,7 @@ from vllm_neuron_sched.worker.pipeline import ONE_STAGE, Stage
 from vllm_neuron_sched.worker.programs import EAGER, Programs
 from vllm_neuron_sched.worker.results import Sampled, make_output_materializer
 from vllm_neuron_sched.worker.sampling import (
+    Draws,
     StepMasks,
     prompt_logprobs_on_device,
     sample_on_device,
@@ -148,11 +149,15 @@ class StepContext:
     def max_model_len(self) -> int:
         return self.vllm_config.model_config.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.vllm_config.model_config.get_vocab_size()
+
     def rules_of(self, host: "HostRequestState", req_ids: list[str]) -> RowRules:
         """The rows' logits rules, planned at the programs' bad-words shape."""
         return plan_rules(
             [host.requests[req_id].sampling_params for req_id in req_ids],
-            self.vllm_config.model_config.get_vocab_size(),
+            self.vocab_size,
             self.programs.bad_words_shape,
         )
 
@@ -322,6 +327,9 @@ class TokensStep:
         assert self._logits is not None, "enqueue_forward first"
         result = self._logits
         if inputs.has_samples:
+            # The programs sample on this rank: the host draws, at enqueue
+            # (vLLM's sampler, with the user's processors, draws its own).
+            programs_sample = ctx.stage.is_last and not ctx.sampling.user_processors
             result = ctx.device.enqueue(
                 self.sample_on_device,
                 ctx,
@@ -331,6 +339,9 @@ class TokensStep:
                     grammar,
                     inputs.req_ids,
                     snapshot=not ctx.device.runs_at_enqueue,
+                    drawn_for=(inputs, ctx.sampler, ctx.vocab_size)
+                    if programs_sample
+                    else None,
                 ),
             )
         output = make_output_materializer(
@@ -400,6 +411,7 @@ class TokensStep:
         metadata: "SamplingMetadata",
         needs_histories: bool,
         grammar: "StepMasks | None",
+        draws: Draws | None,
     ) -> Sampled:
         """The rows' tokens, into the token table; the last pipeline stage
         sends them to every other stage, which takes them instead."""
@@ -425,6 +437,7 @@ class TokensStep:
             needs_histories,
             inputs,
             grammar,
+            draws,
         )
         ctx.stage.share_tokens(sampled.tokens)
         return sampled

@@ -7,6 +7,7 @@ needs more."""
 
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,14 +22,18 @@ from vllm.v1.sample.logits_processor.builtin import (
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_neuron_sched.testing.logits_processors import CountingStopProcessor
 from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.compiled import CompiledProgram, compile_programs
-from vllm_neuron_sched.worker.logits_rules import QueryPasts, RowRules, plan_rules
+from vllm_neuron_sched.worker.logits_rules import (
+    NO_RULES,
+    QueryPasts,
+    RowRules,
+    plan_rules,
+)
 from vllm_neuron_sched.worker.programs import EAGER, Dimensions, Programs
 from vllm_neuron_sched.worker.sampling import (
     draw_sampling,
-    in_sampling_program,
+    noise_dtype,
     sample_in_program,
     sample_rows,
 )
@@ -44,6 +49,21 @@ LOGPROBS_MODES = [
     "raw_logits",
     "processed_logits",
 ]
+
+
+def _sample(
+    sampler: Sampler,
+    programs: Programs,
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    rules: RowRules = NO_RULES,
+    pasts: QueryPasts | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """A step as an engine without the user's processors samples: the
+    host's draws at enqueue, then the programs."""
+    noise = noise_dtype(sampler)
+    draws = draw_sampling(metadata, ALL_SAMPLED, VOCAB, noise, rules.min_p)
+    return sample_in_program(sampler, programs, logits, metadata, draws, rules, pasts)
 
 
 def _logits(seed: int = 3) -> torch.Tensor:
@@ -83,8 +103,7 @@ def test_the_program_samples_as_vllms_sampler(
         logits = _logits(step)
         ours = sampling_metadata(TEMPERATURES, ours_generators, **settings)
         theirs = sampling_metadata(TEMPERATURES, vllm_generators, **settings)
-        assert in_sampling_program(ours)
-        tokens, _ = sample_in_program(sampler, EAGER, logits.clone(), ours, ALL_SAMPLED)
+        tokens, _ = _sample(sampler, EAGER, logits.clone(), ours)
         expected = sampler(logits.clone(), theirs).sampled_token_ids[:, 0]
         assert tokens[list(SEEDED)].tolist() == expected[list(SEEDED)].tolist()
         assert tokens[greedy].tolist() == logits[greedy].argmax(dim=-1).tolist()
@@ -124,9 +143,7 @@ def test_logprobs_are_vllms_in_every_mode(
 
     ours, theirs = metadata(), metadata()
     logits = _logits()
-    tokens, logprobs = sample_in_program(
-        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED
-    )
+    tokens, logprobs = _sample(sampler, EAGER, logits.clone(), ours)
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
     assert logprobs is not None and expected.logprobs_tensors is not None
@@ -210,15 +227,14 @@ def test_bad_words_and_penalties_sample_as_vllms_sampler(mode: str) -> None:
         return replace(_with_penalties(made), max_num_logprobs=2)
 
     ours, theirs = metadata(), metadata()
-    assert in_sampling_program(ours)
     logits = _logits(4)
     # Row 0 (greedy) would take token 20, which its outputs hold: its
     # presence penalty moves it to the runner-up.
     logits[0, 20] = logits[0].max() + 0.1
     # Row 3 (greedy) would take 30, which its bad word [22, 30] rules out.
     logits[3, 30] = logits[3].max() + 5.0
-    tokens, logprobs = sample_in_program(
-        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _rules(_params()), _pasts()
+    tokens, logprobs = _sample(
+        sampler, EAGER, logits.clone(), ours, _rules(_params()), _pasts()
     )
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
@@ -316,14 +332,11 @@ def _every_rule_against_vllm(mode: str, programs: Programs) -> dict[str, int]:
         )
 
     ours, theirs = metadata(), metadata()
-    assert in_sampling_program(ours)
     logits = _logits(5)
     logits[0, 17] = logits[0].max() + 5.0
     logits[4, 9] = logits[4].max() + 50.0  # row 4 has its one output: may stop
     rules = plan_rules(params, VOCAB, programs.bad_words_shape)
-    tokens, logprobs = sample_in_program(
-        sampler, programs, logits.clone(), ours, ALL_SAMPLED, rules, _pasts()
-    )
+    tokens, logprobs = _sample(sampler, programs, logits.clone(), ours, rules, _pasts())
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
     assert tokens[0] != 17 and tokens[1] == 33 and tokens[2] in (5, 6, 7)
@@ -367,14 +380,11 @@ def test_min_p_samples_as_vllms_sampler(mode: str, fp64: bool) -> None:
         return replace(made, max_num_logprobs=2, logitsprocs=LogitsProcessors([min_p]))
 
     ours, theirs = metadata(), metadata()
-    assert in_sampling_program(ours)
     logits = _logits(6)
     logits[1] = 0.0
     logits[1, 7] = 0.05
     logits[4, 11] = logits[4].max() + 3.0  # min_p 0.5 at temperature 1.3
-    tokens, logprobs = sample_in_program(
-        sampler, EAGER, logits.clone(), ours, ALL_SAMPLED, _rules(params)
-    )
+    tokens, logprobs = _sample(sampler, EAGER, logits.clone(), ours, _rules(params))
     expected = sampler(logits.clone(), theirs)
     assert tokens.tolist() == expected.sampled_token_ids[:, 0].tolist()
     assert tokens[1] == 7 and tokens[4] == 11
@@ -421,31 +431,3 @@ def test_the_traced_program_answers_as_eager(fp64: bool) -> None:
         for mode in (None, "processed_logprobs"):
             got, want = compiled(logits, draws, mode), sample_rows(logits, draws, mode)
             torch.testing.assert_close(got, want)
-
-
-def test_steps_that_need_more_than_the_program_run_vllms_sampler() -> None:
-    """Any processor of the user's; not the rules, which the programs apply,
-    nor vLLM's built-in processors (min_tokens, the logit bias, min_p),
-    which they stand in for, nor any logprobs."""
-    plain = replace(sampling_metadata(TEMPERATURES), max_num_logprobs=5)
-    assert in_sampling_program(plain)
-    cpu = torch.device("cpu")
-    min_p = MinPLogitsProcessor(MAX_NUM_SEQS, cpu, False)  # type: ignore[arg-type]
-    params = SamplingParams(min_p=0.1)
-    min_p.update_state(BatchUpdate(ROWS, [], [(0, params, None, [])], []))
-    users = CountingStopProcessor(None, cpu, False)
-    builtin = _builtin_processors(_params(RULES))
-    handled = [
-        _with_penalties(plain),
-        replace(plain, bad_words_token_ids={0: [[3]]}),
-        replace(plain, allowed_token_ids_mask=torch.ones(ROWS, VOCAB).bool()),
-        replace(plain, logitsprocs=builtin),
-        replace(plain, logitsprocs=LogitsProcessors([min_p])),
-        replace(plain, max_num_logprobs=-1),
-        replace(plain, logprob_token_ids={0: [3]}),
-    ]
-    for metadata in handled:
-        assert in_sampling_program(metadata)
-    assert not in_sampling_program(
-        replace(plain, logitsprocs=LogitsProcessors([users]))
-    )

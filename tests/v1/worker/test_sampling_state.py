@@ -1,12 +1,16 @@
-"""The device's sampling state: the output histories the user's logits
-processors read, kept only where there are such processors; without them a
+"""The device's sampling state: with the user's logits processors, vLLM's
+sampler samples and the output histories they read are kept; with vLLM's
+built-in ones only, the programs sample (they apply what those do) and a
 sampling execution reads nothing back to the host."""
+
+from types import SimpleNamespace
 
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
     MinTokensLogitsProcessor,
 )
 
@@ -15,6 +19,7 @@ from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.sampling_state import BatchChange, SamplingState
 
 CPU = torch.device("cpu")
+MAX_NUM_SEQS = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=2))
 
 
 def _state(*processors: object) -> SamplingState:
@@ -28,7 +33,7 @@ def _state(*processors: object) -> SamplingState:
 
 def test_the_users_processors_read_each_steps_real_tokens() -> None:
     state = _state(CountingStopProcessor(None, CPU, False))
-    assert state.keeps_histories
+    assert state.user_processors
     # Step 1: both rows sample; step 2 (a verify step): "a" accepts two
     # tokens, "b" none.
     state.record(["a", "b"], torch.tensor([[5], [6]]), torch.tensor([1, 1]))
@@ -45,8 +50,9 @@ def test_without_the_users_processors_nothing_is_read_back() -> None:
     state = _state(
         MinTokensLogitsProcessor(None, cpu, False),  # type: ignore[arg-type]
         LogitBiasLogitsProcessor(None, cpu, False),
+        MinPLogitsProcessor(MAX_NUM_SEQS, cpu, False),  # type: ignore[arg-type]
     )
-    assert not state.keeps_histories
+    assert not state.user_processors
     on_device = torch.empty(2, 1, dtype=torch.int64, device="meta")
     state.record(["a", "b"], on_device, torch.ones(2, device="meta"))
     metadata = state.sampling_metadata(sampling_metadata([0.0, 0.0]), ["a", "b"], True)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
 
     from vllm_neuron_sched.worker.host_state import HostRequestState, StepUpdate
-    from vllm_neuron_sched.worker.sampling import StepMasks
+    from vllm_neuron_sched.worker.sampling import Draws, StepMasks
     from vllm_neuron_sched.worker.steps import StepContext
 
 
@@ -64,10 +64,11 @@ class ProposingPrefillStep(PrefillStep):
         metadata: "SamplingMetadata",
         needs_histories: bool,
         grammar: "StepMasks | None",
+        draws: "Draws | None",
     ) -> Sampled:
         assert ctx.proposer is not None
         sampled = super().sample_on_device(
-            ctx, logits, metadata, needs_histories, grammar
+            ctx, logits, metadata, needs_histories, grammar, draws
         )
         with torch.inference_mode():
             drafts = after_prompt_sampling(

@@ -270,7 +270,7 @@ class VerifyStep:
     ) -> "tuple[DeviceFuture, Materializer[ModelRunnerOutput]]":
         assert self._forward is not None and ctx.proposer is not None
         # Its grammar masks are planned below, per query.
-        metadata, needs_histories, _ = sampling_inputs(
+        metadata, needs_histories, _, _ = sampling_inputs(
             update.batch.sampling_metadata,
             None,
             self.req_ids,
