@@ -64,7 +64,10 @@ def _params(name: str, words: list[list[int]]) -> SamplingParams:
     end leaves them)."""
     if name == "every_rule":
         params = SamplingParams(
-            min_tokens=OUTPUT + 10, stop_token_ids=[2], logit_bias={7: 1.5, 8: -2.0}
+            max_tokens=OUTPUT + 20,
+            min_tokens=OUTPUT + 10,
+            stop_token_ids=[2],
+            logit_bias={7: 1.5, 8: -2.0},
         )
     elif name == "min_p":
         params = SamplingParams(min_p=0.05)
