@@ -17,7 +17,11 @@ from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.history_rules import plan_bad_words
 from vllm_neuron_sched.worker.logits_rules import NO_RULES, MinTokens, RowRules
 from vllm_neuron_sched.worker.programs import EAGER
-from vllm_neuron_sched.worker.spec.rejection import REJECTED, rejection_sample
+from vllm_neuron_sched.worker.spec.rejection import (
+    REJECTED,
+    draw_randomness,
+    rejection_sample,
+)
 from vllm_neuron_sched.worker.spec.verify import VerifyPlan
 from vllm_neuron_sched.worker.token_table import DeviceTokens
 
@@ -40,8 +44,7 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
         WIDTH,
         torch.tensor([2, 2]),
         drafts,
-        sampling_metadata([0.0, 0.0]),
-        torch.float32,
+        draw_randomness(sampling_metadata([0.0, 0.0]), 2, VOCAB, torch.float32),
         EAGER,
     )
     assert out[0].tolist() == argmax[0].tolist()
@@ -64,8 +67,9 @@ def test_random_rows_keep_the_target_distribution() -> None:
             WIDTH,
             torch.tensor([1]),
             torch.tensor([[draft, 0]], dtype=torch.int32),
-            sampling_metadata([temperature], generators),
-            torch.float32,
+            draw_randomness(
+                sampling_metadata([temperature], generators), 2, VOCAB, torch.float32
+            ),
             EAGER,
         )
         counts[out[0, 0]] += 1
@@ -85,8 +89,9 @@ def test_a_seed_reproduces() -> None:
             WIDTH,
             torch.tensor([2, 1]),
             drafts,
-            sampling_metadata([1.0, 0.7], generators),
-            torch.float32,
+            draw_randomness(
+                sampling_metadata([1.0, 0.7], generators), 2, VOCAB, torch.float32
+            ),
             EAGER,
         ).tolist()
 
@@ -240,8 +245,7 @@ def _grammar_step(
         WIDTH,
         num_drafts,
         argmax[:, :2].int(),
-        sampling_metadata([0, 0]),
-        torch.float32,
+        draw_randomness(sampling_metadata([0, 0]), 2, VOCAB, torch.float32),
         EAGER,
     )
     return out, argmax
@@ -369,6 +373,7 @@ def _verify_one_row(
         ["r"],
         plan,
         EAGER,
+        draw_randomness(metadata, 2, logits.shape[1], torch.float32),
         grammar,  # type: ignore[arg-type]
     )
     return verified.token_ids([True])[0]

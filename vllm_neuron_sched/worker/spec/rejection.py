@@ -88,9 +88,11 @@ class Randomness:
 def draw_randomness(
     metadata: "SamplingMetadata", num_drafts: int, vocab: int, noise_dtype: torch.dtype
 ) -> Randomness | None:
-    """The per-request step before ``accept_drafts``: each seeded row draws
-    from its own generator, the others from torch's, the bonus token's noise
-    first. None when every row is greedy. Top-k and top-p come both or
+    """Host side, at enqueue: the per-request step before ``accept_drafts``
+    (the generators are host objects, drawn from in step order by the host
+    thread alone): each seeded row draws from its own generator, the others
+    from torch's, the bonus token's noise first. None when every row is
+    greedy. Top-k and top-p come both or
     neither (a row without one keeps the whole vocabulary, vLLM's own
     filling), so the program has two random variants, not four."""
     if metadata.all_greedy:
@@ -121,8 +123,7 @@ def rejection_sample(
     width: int,
     num_drafts: torch.Tensor,
     drafts: torch.Tensor,
-    metadata: "SamplingMetadata",
-    noise_dtype: torch.dtype,
+    random: Randomness | None,
     programs: "Programs",
 ) -> torch.Tensor:
     """Speculative rejection sampling for drafts without probabilities
@@ -134,12 +135,11 @@ def rejection_sample(
     vLLM's rejection sampler computes the same, but its CPU kernels corrupt
     random sampling in vLLM 0.32 (its ``expand`` replacement copies 8 bytes
     per element; the random kernel returns an accepted draft with no token
-    after it), so this is plain torch: the draws (``draw_randomness``), then
-    one program (``accept_drafts``).
+    after it), so this is plain torch: one program (``accept_drafts``), after
+    the host's draws (``random``: ``draw_randomness``, at enqueue).
     """
     rows = num_drafts.shape[0]
     queries = logits.reshape(rows, width, -1)
-    random = draw_randomness(metadata, drafts.shape[1], logits.shape[1], noise_dtype)
     return programs.accept_drafts(queries, drafts, num_drafts, random)
 
 

@@ -36,6 +36,8 @@ from vllm_neuron_sched.worker.spec.grammar import (
 from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens, Proposer
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
+    Randomness,
+    draw_randomness,
     rejection_sample,
     verify_logprobs,
 )
@@ -158,13 +160,14 @@ def verify_on_device(
     req_ids: list[str],
     plan: VerifyPlan,
     programs: "Programs",
+    random: Randomness | None,
     grammar: VerifyGrammar | None = None,
 ) -> Verified:
     """Device side, after the verify forward: the logits in float32 (as
     vLLM's rejection sampler takes them, whatever the model's dtype), the
     grammar's masks (in place, so the raw logprobs see them, as in vLLM),
-    rejection sampling, the accepted tokens into the histories and the
-    table, the next drafts."""
+    rejection sampling after the host's draws (``random``), the accepted
+    tokens into the histories and the table, the next drafts."""
     with torch.inference_mode():
         metadata = state.sampling_metadata(metadata, req_ids, needs_histories)
         raw_logits = forward.logits.to(torch.float32)
@@ -179,8 +182,7 @@ def verify_on_device(
             plan.width,
             num_drafts,
             tokens.drafts_of(plan.slots),
-            metadata,
-            noise_dtype(sampler),
+            random,
             programs,
         )
         accepted = (sampled != REJECTED).sum(dim=1)
@@ -269,6 +271,7 @@ class VerifyStep:
         grammar: "tuple[SchedulerOutput, GrammarOutput] | None",
     ) -> "tuple[DeviceFuture, Materializer[ModelRunnerOutput]]":
         assert self._forward is not None and ctx.proposer is not None
+        assert ctx.speculation is not None
         # Its grammar masks are planned below, per query.
         metadata, needs_histories, _, _ = sampling_inputs(
             update.batch.sampling_metadata,
@@ -297,6 +300,15 @@ class VerifyStep:
             self.req_ids,
             self.plan,
             ctx.programs,
+            # The rows' draws, on the host (their generators are host
+            # objects), for every draft slot: the device knows how many
+            # drafts each row verifies.
+            draw_randomness(
+                metadata,
+                ctx.speculation.num_tokens,
+                ctx.vocab_size,
+                noise_dtype(ctx.sampler),
+            ),
             verify_grammar,
         )
         output = make_output_materializer(
