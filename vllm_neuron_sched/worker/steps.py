@@ -26,7 +26,7 @@ from vllm_neuron_sched.core.step_view import BatchShape
 from vllm_neuron_sched.runtime import DeviceFuture, Materializer
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.inputs import StepInputs, token_inputs
-from vllm_neuron_sched.worker.logits_rules import RowRules, plan_rules
+from vllm_neuron_sched.worker.logits_rules import NO_RULES, RowRules, plan_rules
 from vllm_neuron_sched.worker.lora import StepAdapters, step_adapters
 from vllm_neuron_sched.worker.pipeline import ONE_STAGE, Stage
 from vllm_neuron_sched.worker.programs import EAGER, Programs
@@ -153,8 +153,18 @@ class StepContext:
     def vocab_size(self) -> int:
         return self.vllm_config.model_config.get_vocab_size()
 
+    @property
+    def programs_sample(self) -> bool:
+        """The programs sample on this rank: the last pipeline stage, in an
+        engine without the user's logits processors (vLLM's sampler runs
+        those, with its own rules and draws)."""
+        return self.stage.is_last and not self.sampling.user_processors
+
     def rules_of(self, host: "HostRequestState", req_ids: list[str]) -> RowRules:
-        """The rows' logits rules, planned at the programs' bad-words shape."""
+        """The rows' logits rules, planned at the programs' bad-words shape
+        where the programs sample (none elsewhere: nothing reads them)."""
+        if not self.programs_sample:
+            return NO_RULES
         return plan_rules(
             [host.requests[req_id].sampling_params for req_id in req_ids],
             self.vocab_size,
@@ -327,9 +337,6 @@ class TokensStep:
         assert self._logits is not None, "enqueue_forward first"
         result = self._logits
         if inputs.has_samples:
-            # The programs sample on this rank: the host draws, at enqueue
-            # (vLLM's sampler, with the user's processors, draws its own).
-            programs_sample = ctx.stage.is_last and not ctx.sampling.user_processors
             result = ctx.device.enqueue(
                 self.sample_on_device,
                 ctx,
@@ -339,8 +346,9 @@ class TokensStep:
                     grammar,
                     inputs.req_ids,
                     snapshot=not ctx.device.runs_at_enqueue,
+                    # Where the programs sample, the host draws, at enqueue.
                     drawn_for=(inputs, ctx.sampler, ctx.vocab_size)
-                    if programs_sample
+                    if ctx.programs_sample
                     else None,
                 ),
             )
