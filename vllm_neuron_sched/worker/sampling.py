@@ -141,10 +141,7 @@ def sample_on_device(
             )
         else:
             sampled, logprobs = _vllm_sample(sampler, logits, metadata, is_sampled)
-        slots = inputs.sample_slots
-        tokens.accept(
-            slots, inputs.next_positions, sampled[:, None], torch.ones_like(slots)
-        )
+        tokens.accept_sampled(inputs.sample_slots, inputs.next_positions, sampled)
         state.record(req_ids, sampled[:, None], torch.from_numpy(is_sampled))
     return Sampled(sampled, logprobs)
 

@@ -428,11 +428,8 @@ class TokensStep:
             tokens = ctx.stage.share_tokens(
                 torch.empty(inputs.sample_slots.shape, dtype=torch.int32)
             )
-            ctx.token_table.accept(
-                inputs.sample_slots,
-                inputs.next_positions,
-                tokens[:, None],
-                torch.ones_like(inputs.sample_slots),
+            ctx.token_table.accept_sampled(
+                inputs.sample_slots, inputs.next_positions, tokens
             )
             return Sampled(tokens, None)
         sampled = sample_on_device(

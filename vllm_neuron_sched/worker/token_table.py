@@ -146,8 +146,7 @@ class DeviceTokens:
         history at ``starts``; the last of them is the newest token. Every
         entry is written, at a fixed shape: those past a row's count into the
         spare slot, which nothing reads. A step's sampling accepts its one
-        token per row (``counts`` 1, rows that sample nothing at the spare
-        slot)."""
+        token per row (``accept_sampled``)."""
         width = tokens.shape[1]
         columns = starts[:, None] + torch.arange(width)
         keep = torch.arange(width)[None, :] < counts[:, None]
@@ -156,6 +155,13 @@ class DeviceTokens:
         self._lengths[slots] = starts + counts
         newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
         self._table[slots] = newest
+
+    def accept_sampled(
+        self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
+        """A step's sampling: each row's one token [rows] at ``positions``
+        (rows that sample nothing point at the spare slot)."""
+        self.accept(slots, positions, tokens[:, None], torch.ones_like(slots))
 
     def _grow(self, size: int) -> None:
         def grown(tensor: torch.Tensor) -> torch.Tensor:
