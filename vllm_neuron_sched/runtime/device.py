@@ -31,8 +31,8 @@ class Execution:
     future: DeviceFuture[Any]
     tag: int = 0  # the host's ``Device.tag`` at enqueue (the worker's step)
     number: int = 0  # 1-based, in enqueue (and so execution) order
-    # True: later executions rely on what this one writes (KV zeroing, the
-    # token table's growth); its failure leaves the device state unknown.
+    # True: later executions rely on what this one writes (KV zeroing); its
+    # failure leaves the device state unknown.
     updates_state: bool = False
 
 

@@ -190,6 +190,8 @@ class ScriptedRequest:
     num_computed: int = 0
     num_output: int = 0  # sampled tokens, read back or not
     is_new: bool = True
+    # Preempted: its next step runs these again (prompt and outputs).
+    resumes_with: list[int] | None = None
 
 
 @dataclass
@@ -199,6 +201,7 @@ class ScriptedScheduler:
 
     requests: dict[str, ScriptedRequest] = field(default_factory=dict)
     _finished: set[str] = field(default_factory=set)
+    _preempted: set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, prompts: dict[str, list[int]]) -> "ScriptedScheduler":
@@ -221,6 +224,22 @@ class ScriptedScheduler:
         lists it as finished."""
         self._finished.add(req_id)
         del self.requests[req_id]
+
+    def preempt(self, *req_ids: str) -> None:
+        """Out of the batch, its KV freed: the next step lists it as
+        preempted."""
+        self._preempted.update(req_ids)
+
+    def resume(
+        self, req_id: str, outputs: list[int], num_cached: int = 0
+    ) -> SchedulerOutput:
+        """A preempted request runs its prompt and ``outputs`` (the tokens
+        it sampled) again, past its prefix-cache hit ``num_cached``, in one
+        chunk."""
+        request = self.requests[req_id]
+        request.resumes_with = [*request.prompt, *outputs]
+        request.num_computed, request.num_output = num_cached, len(outputs)
+        return self._step({req_id: len(request.resumes_with) - num_cached})
 
     def prefill(self, req_id: str, num_tokens: int | None = None) -> SchedulerOutput:
         """One prompt chunk (the rest of the prompt by default)."""
@@ -245,14 +264,20 @@ class ScriptedScheduler:
                 r.is_new = False
             else:
                 cached.req_ids.append(req_id)
-                cached.new_block_ids.append(None)
+                cached.new_block_ids.append(None if r.resumes_with is None else ([],))
+                if r.resumes_with is not None:
+                    cached.resumed_req_ids.add(req_id)
+                    cached.all_token_ids[req_id] = r.resumes_with
+                    r.resumes_with = None
                 cached.num_computed_tokens.append(r.num_computed)
                 cached.num_output_tokens.append(r.num_output)
             r.num_computed += num_tokens
             if r.num_computed >= len(r.prompt):
                 r.num_output += 1
         finished, self._finished = self._finished, set()
-        return scheduler_output(new_reqs, cached, num_scheduled, finished)
+        output = scheduler_output(new_reqs, cached, num_scheduled, finished)
+        output.preempted_req_ids, self._preempted = self._preempted, set()
+        return output
 
 
 def scheduler_output(

@@ -23,7 +23,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from vllm_neuron_sched.worker.sampling_state import BatchChange, BatchUpdateRecorder
-from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID, DeviceTokens
+from vllm_neuron_sched.worker.token_table import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,31 +41,32 @@ PromptLogprobsJob = tuple[int, int, torch.Tensor, int, LogprobsTensors]
 
 
 class TokenSlots:
-    """Which entry of the device token table each live request owns: from
-    its first step until it finishes (kept across preemption)."""
+    """Which entry of the device token table each request in the batch
+    owns: from the step it joins (new, or resumed after a preemption) until
+    it finishes or is preempted. vLLM's scheduler runs at most
+    ``max_num_seqs`` requests, so the table has a fixed size: a static-shape
+    device's programs read and write it at one shape."""
 
-    def __init__(self, table: DeviceTokens, capacity: int) -> None:
-        self._table = table
+    def __init__(self, capacity: int) -> None:
         self._slot_of: dict[str, int] = {}
         self._free: list[int] = list(range(capacity, 0, -1))  # 0: the spare
-        self._capacity = capacity
+        self.capacity = capacity
 
     def assign(self, req_id: str) -> None:
         if req_id in self._slot_of:
             return
         if not self._free:
-            # More live requests than ever (preempted ones wait with their
-            # slot): the table grows on the device, after what is queued.
-            new_capacity = 2 * self._capacity
-            self._free = list(range(new_capacity, self._capacity, -1))
-            self._capacity = new_capacity
-            self._table.grow(new_capacity)
+            raise RuntimeError(
+                f"more than {self.capacity} requests hold a token slot: the "
+                "scheduler ran more than max_num_seqs, or did not report a "
+                "preempted request (SchedulerOutput.preempted_req_ids)"
+            )
         self._slot_of[req_id] = self._free.pop()
 
     def release(self, req_id: str) -> None:
-        """The request left: its slot is free for the next one (an enqueued
-        step may still write it; the new owner's writes and reads come after,
-        in device order)."""
+        """The request left (finished or preempted): its slot is free for the
+        next one (an enqueued step may still write it; the new owner's
+        writes and reads come after, in device order)."""
         if (slot := self._slot_of.pop(req_id, None)) is not None:
             self._free.append(slot)
 
@@ -116,12 +117,11 @@ class StepUpdate:
 class HostRequestState:
     def __init__(
         self,
-        table: DeviceTokens,
         vocab_size: int,
         max_num_reqs: int,
         max_num_tokens: int,
     ) -> None:
-        self.slots = TokenSlots(table, max_num_reqs)
+        self.slots = TokenSlots(max_num_reqs)
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -171,6 +171,8 @@ class HostRequestState:
         self.fill_placeholders(retired)
         update = StepUpdate(batch)
         self._drop_finished(scheduler_output.finished_req_ids, update)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self.slots.release(req_id)  # a resumed request joins anew
         cached = scheduler_output.scheduled_cached_reqs
         scheduled = scheduler_output.num_scheduled_tokens.keys()
         for req_id in batch.req_id_to_index.keys() - (
@@ -196,7 +198,7 @@ class HostRequestState:
         )
         update.scheduled_num_tokens = self._per_row(req_ids, scheduled_num_tokens.get)
         update.num_cached_prompt_tokens = self._cached_prompt_tokens(
-            scheduler_output.scheduled_new_reqs
+            scheduler_output.scheduled_new_reqs, cached
         )
         if self.num_prompt_logprobs:
             self._prompt_logprobs(scheduler_output.num_scheduled_tokens, update)
@@ -260,6 +262,7 @@ class HostRequestState:
                 # Preempted: it runs its prompt and the outputs the scheduler
                 # kept again, as prompt chunks, from a history of its own.
                 state.block_ids = new_block_ids
+                self.slots.assign(req_id)
                 _resume_history(state, cached.all_token_ids, num_output_tokens)
                 self.resumed_prompt_lens[req_id] = (
                     state.num_prompt_tokens + num_output_tokens
@@ -292,13 +295,17 @@ class HostRequestState:
             count=len(req_ids),
         )
 
-    def _cached_prompt_tokens(self, new_reqs: list[Any]) -> np.ndarray:
-        """[num_reqs] each new request's prefix-cache hit, 0 elsewhere (the
-        batch is condensed: its rows are the step's)."""
+    def _cached_prompt_tokens(self, new_reqs: list[Any], cached: Any) -> np.ndarray:
+        """[num_reqs] the prefix-cache hit of each request that joins with a
+        fresh token slot (new, or resumed after a preemption), 0 elsewhere
+        (the batch is condensed: its rows are the step's)."""
         batch = self.batch
         hits = np.zeros(batch.num_reqs, np.int64)
         for new in new_reqs:
             hits[batch.req_id_to_index[new.req_id]] = new.num_computed_tokens
+        for req_id in cached.resumed_req_ids:
+            if (row := batch.req_id_to_index.get(req_id)) is not None:
+                hits[row] = self.requests[req_id].num_computed_tokens
         return hits
 
     def _new_request(self, new: Any) -> CachedRequestState:

@@ -177,7 +177,6 @@ class NeuronSchedModelRunner:
         # ask for (``take_draft_token_ids``).
         self._drafted: Materializer[ModelRunnerOutput] | None = None
         self.host = HostRequestState(
-            self.ctx.token_table,
             self.model_config.get_vocab_size(),
             self.max_num_reqs,
             self.max_num_tokens,
@@ -228,7 +227,6 @@ class NeuronSchedModelRunner:
             ),
             token_table=DeviceTokens(
                 self.max_num_reqs,
-                self.device,
                 history_width(
                     self.model_config.max_model_len,
                     0 if spec is None else spec.num_tokens,

@@ -10,13 +10,9 @@ halves below: the host decides which input positions read which slots
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from vllm_neuron_sched.runtime import Device
 
 # A sampled token in a host history while it is still only on the device.
 PLACEHOLDER_TOKEN_ID = -1
@@ -66,18 +62,17 @@ class DeviceTokens:
 
     Only device executions touch the table (``gather`` in a forward,
     ``read`` and ``write`` in sampling, in enqueue order), so the host never
-    reads, writes or resizes storage an execution may be using; growing it
-    is itself an execution.
+    reads, writes or resizes storage an execution may be using. Its size is
+    fixed at start-up: a slot per request the scheduler may run
+    (``TokenSlots``), and the spare.
     """
 
     def __init__(
         self,
         capacity: int,
-        device: "Device",
         history_len: int,
         num_drafts: int = 0,
     ) -> None:
-        self._device = device
         self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
         self.history_len = history_len
         # Device-owned, like the table: [slots, L] token ids, [slots] tokens
@@ -86,10 +81,6 @@ class DeviceTokens:
         self._lengths = torch.zeros(capacity + 1, dtype=torch.int64)
         self._drafts = torch.zeros((capacity + 1, num_drafts), dtype=torch.int32)
         self._draft_counts = torch.zeros(capacity + 1, dtype=torch.int64)
-
-    def grow(self, capacity: int) -> None:
-        """Host side: room for ``capacity`` slots, after what is queued."""
-        self._device.enqueue_state_update(self._grow, capacity + 1)
 
     # ---- device side: called inside device executions only ----------------
 
@@ -162,15 +153,3 @@ class DeviceTokens:
         """A step's sampling: each row's one token [rows] at ``positions``
         (rows that sample nothing point at the spare slot)."""
         self.accept(slots, positions, tokens[:, None], torch.ones_like(slots))
-
-    def _grow(self, size: int) -> None:
-        def grown(tensor: torch.Tensor) -> torch.Tensor:
-            bigger = torch.zeros((size, *tensor.shape[1:]), dtype=tensor.dtype)
-            bigger[: tensor.shape[0]] = tensor
-            return bigger
-
-        self._table = grown(self._table)
-        self._history = grown(self._history)
-        self._lengths = grown(self._lengths)
-        self._drafts = grown(self._drafts)
-        self._draft_counts = grown(self._draft_counts)

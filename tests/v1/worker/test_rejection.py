@@ -12,7 +12,6 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_neuron_sched.runtime import make_device
 from vllm_neuron_sched.testing.sampling import sampling_metadata
 from vllm_neuron_sched.worker.history_rules import plan_bad_words
 from vllm_neuron_sched.worker.logits_rules import NO_RULES, MinTokens, RowRules
@@ -107,7 +106,7 @@ def _verify_rows(
     two drafts each, and a verify step's plan of those slots (``plan``: its
     other fields)."""
 
-    tokens = DeviceTokens(4, make_device("inline"), history_len=16, num_drafts=2)
+    tokens = DeviceTokens(4, history_len=16, num_drafts=2)
     for slot, (prompt, output) in histories.items():
         known = prompt + output
         slots = torch.tensor([slot])
@@ -331,14 +330,13 @@ def _verify_one_row(
     in the device history, through the whole verification: what it outputs."""
     from types import SimpleNamespace
 
-    from vllm_neuron_sched.runtime import make_device
     from vllm_neuron_sched.worker.results import VerifyForward
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.spec.proposer import NgramProposer
     from vllm_neuron_sched.worker.spec.verify import VerifyPlan, verify_on_device
     from vllm_neuron_sched.worker.token_table import DeviceTokens
 
-    tokens = DeviceTokens(2, make_device("inline"), history_len=16, num_drafts=2)
+    tokens = DeviceTokens(2, history_len=16, num_drafts=2)
     known = [2, *output]
     slots = torch.tensor([1])
     tokens.accept(

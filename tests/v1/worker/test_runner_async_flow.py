@@ -210,18 +210,28 @@ def test_repetition_penalty_across_a_join() -> None:
 
 
 @pytest.mark.usefixtures("thread_device")
-def test_more_live_requests_than_token_slots() -> None:
-    """Requests keep their slot while out of the batch (e.g. preempted): with
-    more of them than ``max_num_seqs`` the table grows on the device, in
-    order, and no token moves to another request."""
-    prompts = {f"r{i}": _prompt(20 + i, 3 + i) for i in range(8)}
-    sched = ScriptedScheduler.of(prompts)
-    first, second = list(prompts)[:4], list(prompts)[4:]
-    with toy_runner(is_async=True) as runner:
+def test_preempted_requests_give_their_token_slots_back() -> None:
+    """The table holds ``max_num_seqs`` slots: a preempted request gives its
+    slot back, a new one takes it while the step before still writes it
+    (the device is held), and the preempted ones resume in slots others
+    used, one past a prefix-cache hit, whose history the penalty reads."""
+    prompts = {f"r{i}": _prompt(20 + i, 3 + i) for i in range(6)}
+    prompts["n"] = _prompt(40, 7)
+    sched = ScriptedScheduler()
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt, repetition_penalty=PENALTY)
+    first = [f"r{i}" for i in range(6)]
+    with toy_runner(is_async=True, repeat_bias=True) as runner:
         engine = Engine(runner)
-        engine.run(*(sched.prefill(r) for r in prompts))
-        for _ in range(3):
-            engine.run(sched.decode(*first), sched.decode(*second))
-        _assert_no_fallback(runner, num_async=6)
-    _assert_tokens(engine, prompts)
-    assert all(len(tokens) == 4 for tokens in engine.tokens.values())
+        engine.run(*(sched.prefill(r) for r in first), sched.decode(*first))
+        preempted, in_flight = first[:3], sched.decode(*first)
+        sched.preempt(*preempted)
+        engine.run_held(in_flight, sched.prefill("n"))
+        engine.run(sched.decode("n", *first[3:]), sched.decode("n", *first[3:]))
+        sched.finish("n")
+        engine.run(sched.resume("r0", engine.tokens["r0"], num_cached=4))
+        for req_id in preempted[1:]:
+            engine.run(sched.resume(req_id, engine.tokens[req_id]))
+        engine.run(sched.decode(*first), sched.decode(*first))
+    _assert_tokens(engine, prompts, penalty=PENALTY)
+    assert [len(engine.tokens[r]) for r in (*first, "n")] == [6] * 3 + [7] * 3 + [3]

@@ -3,7 +3,7 @@ device execution made to fail (``Device.fail_execution_after``).
 
 A failed forward or sampling fails the requests of its step (the engine
 finishes them with an error and serves the others); a failed state update
-(KV zeroing, the token table's growth) leaves the device state unknown, so
+(KV zeroing) leaves the device state unknown, so
 the engine stops with the cause. A prompt chunk that samples nothing is a
 step like any other here: its forward's failure reaches its request too.
 """
