@@ -63,7 +63,7 @@ EOS = VOCAB - 1
 STOP = VOCAB - 2
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
-MAX_EXAMPLES = 300
+MAX_EXAMPLES = 200
 CASES = {"ran": 0, "grouped_steps": 0, "verify_steps": 0}
 
 
