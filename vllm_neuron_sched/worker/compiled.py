@@ -178,14 +178,18 @@ def _only_compiled_graphs(what: Callable[[], str]) -> Iterator[None]:
 
 class CompiledProgram:
     """A program (``worker/programs.py``) compiled once per declared shape:
-    its rows padded to the smallest decode bucket that holds them (copies of
-    the last row, so padded rows compute on real data), its answer cut back.
-    Once ``compile_programs`` has warmed it up, a shape that would compile is
-    an error naming the program."""
+    its rows padded to the smallest declared size that holds them (a decode
+    bucket, or a token count; copies of the last row, so padded rows compute
+    on real data and write what the last row writes), its answer cut back;
+    the device's tensors it writes in place (its first ``state`` arguments)
+    as they are. Once ``compile_programs`` has warmed it up, a shape that
+    would compile is an error naming the program."""
 
-    def __init__(self, program: Program, rows: tuple[int, ...], **options: Any):
+    def __init__(self, program: Program, sizes: tuple[int, ...], **options: Any):
         self.name = program.name
-        self.rows = rows
+        self.sizes = sizes
+        self.along = program.along
+        self.state = program.state
         self.function = program.function
         self._compiled = torch.compile(program.function, **options)
         self.declared = False
@@ -198,25 +202,27 @@ class CompiledProgram:
         return len(_debug_get_cache_entry_list(self.function.__code__))
 
     def __call__(self, *args: Any) -> Any:
-        rows = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+        state, per_row = args[: self.state], args[self.state :]
+        rows = next(a.shape[0] for a in per_row if isinstance(a, torch.Tensor))
         if rows == 0:
             return self.function(*args)  # nothing to run
-        bucket = next((size for size in self.rows if size >= rows), None)
-        if bucket is None:
+        size = next((size for size in self.sizes if size >= rows), None)
+        if size is None:
             raise ShapeNotCompiledError(
-                f"compiled device: program {self.name} at {rows} rows, more "
-                f"than the largest decode bucket ({self.rows[-1]})"
+                f"compiled device: program {self.name} at {rows} {self.along}, "
+                f"more than the largest declared size ({self.sizes[-1]})"
             )
         # Dynamo guards on inference mode and on whether each input is an
-        # inference tensor: both made the same for every call.
+        # inference tensor: both made the same for every call (the state's
+        # tensors are made outside inference mode, ``DeviceTokens``).
         with torch.inference_mode():
-            padded = [_pad_rows(arg, bucket) for arg in args]
+            padded = [*state, *(_pad_rows(arg, size) for arg in per_row)]
             if not self.declared:
                 return _cut_rows(self._compiled(*padded), rows)
             self.calls += 1
             with _only_compiled_graphs(
                 lambda: (
-                    f"program {self.name} at {bucket} rows, arguments "
+                    f"program {self.name} at {size} {self.along}, arguments "
                     f"{_signature(padded)}, not compiled at start-up"
                 )
             ):
@@ -272,7 +278,7 @@ def compile_programs(
     proposal without an n-gram proposer) stays eager."""
     examples = {p.name: list(p.examples(dims)) for p in PROGRAMS}
     declared = [p for p in PROGRAMS if examples[p.name]]
-    compiled = {p.name: CompiledProgram(p, dims.rows, **options) for p in declared}
+    compiled = {p.name: CompiledProgram(p, p.sizes(dims), **options) for p in declared}
     # Dynamo's limit counts an earlier engine's graphs too.
     on_device(
         _allow_graphs,

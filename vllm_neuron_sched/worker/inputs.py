@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_neuron_sched.worker.layout import Layout, Tokens
+from vllm_neuron_sched.worker.layout import Layout
 from vllm_neuron_sched.worker.token_table import (
     PLACEHOLDER_TOKEN_ID,
     SPARE_TOKEN_SLOT,
-    TableGather,
-    plan_gather,
+    ForwardIds,
+    PrefixWrites,
+    plan_forward_ids,
 )
 
 if TYPE_CHECKING:
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from vllm_neuron_sched.core.prefill_shapes import PrefillShape
     from vllm_neuron_sched.worker.logits_rules import RowRules
     from vllm_neuron_sched.worker.steps import StepRows
-
-# (token slots, positions, token ids) a step writes into the device histories.
-HistoryWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -42,10 +40,11 @@ class StepInputs:
     # Where each row's tokens sit; positions, attention metadata, KV slots.
     layout: Layout
     # [num_tokens_padded] int32; padded entries 0. Decode rows' entries are
-    # overwritten on the device from the token table (``gather``).
+    # overwritten on the device from the token table (``forward_ids``).
     input_ids: torch.Tensor
-    # Decode rows' input ids from the token table; None when no row decodes.
-    gather: TableGather | None
+    # Which tokens' ids come from the token table (decode rows'), and which
+    # enter the device histories (prompt tokens).
+    forward_ids: ForwardIds
     # [num_reqs] int64: the row's last token, whose logits are sampled.
     logits_indices: torch.Tensor
     # [num_reqs] True where the row reaches the end of its known tokens and so
@@ -62,9 +61,8 @@ class StepInputs:
     # [num_reqs] int64 the requests' prompt lengths (the repetition penalty
     # counts the prompt, the others the outputs).
     prompt_lens: torch.Tensor
-    # The prompt tokens the step writes into the device histories; None
-    # when every row decodes (its input is already there).
-    history_writes: HistoryWrites | None
+    # The prefix-cache hits of rows that join with one; None: no such row.
+    prefix_writes: PrefixWrites | None
     # What the host planned of the rows' logits rules (``plan_rules``).
     rules: "RowRules"
     # A non-decode input token is a placeholder: host state is behind the
@@ -83,6 +81,7 @@ def token_inputs(
     token_slots: np.ndarray,
     attn_groups: "list[AttentionGroup]",
     max_model_len: int,
+    history_len: int,
     num_cached_prompt_tokens: np.ndarray,
     rules: "RowRules",
 ) -> StepInputs:
@@ -96,7 +95,6 @@ def token_inputs(
     # Each row's last token: the one it samples from; a decode row's only.
     last_token_index = layout.row_offsets + num_scheduled - 1
     decode_rows = np.flatnonzero(rows.is_decode_row)
-    gather = plan_gather(decode_rows, last_token_index, token_slots)
     token_ids = batch.token_ids_cpu[tokens.row_of_token, tokens.positions]
     token_ids[np.cumsum(num_scheduled)[decode_rows] - 1] = 0
     input_ids = torch.zeros(layout.num_tokens_padded, dtype=torch.int32)
@@ -107,7 +105,14 @@ def token_inputs(
         req_ids=rows.req_ids,
         layout=layout,
         input_ids=input_ids,
-        gather=gather,
+        forward_ids=plan_forward_ids(
+            layout.num_tokens_padded,
+            tokens.index,
+            tokens.row_of_token,
+            rows.is_decode_row,
+            last_token_index,
+            token_slots,
+        ),
         logits_indices=torch.from_numpy(last_token_index),
         is_sampled=is_sampled,
         sample_slots=torch.from_numpy(
@@ -120,10 +125,8 @@ def token_inputs(
         prompt_lens=torch.from_numpy(
             batch.num_prompt_tokens[:num_reqs].astype(np.int64)
         ),
-        history_writes=None
-        if rows.is_decode_row.all()
-        else _history_writes(
-            batch, num_cached_prompt_tokens, token_slots, tokens, rows.is_decode_row
+        prefix_writes=_prefix_writes(
+            batch, num_cached_prompt_tokens, token_slots, history_len
         ),
         rules=rules,
         needs_host_tokens=bool((token_ids == PLACEHOLDER_TOKEN_ID).any()),
@@ -132,26 +135,23 @@ def token_inputs(
     )
 
 
-def _history_writes(
+def _prefix_writes(
     batch: "InputBatch",
     num_cached_prompt_tokens: np.ndarray,
     token_slots: np.ndarray,
-    tokens: Tokens,
-    is_decode_row: np.ndarray,
-) -> HistoryWrites:
-    """Every prompt token the step runs (a decode row's input is in its
-    history already, and on the host maybe still a placeholder), and a new
-    request's prefix-cache hit, which it does not run but the penalties and
-    the n-gram proposer read."""
+    history_len: int,
+) -> PrefixWrites | None:
+    """The tokens a joining row's prefix-cache hit covers, which it does not
+    run but the penalties and the n-gram proposer read, at the histories'
+    width."""
     hit_rows = np.flatnonzero(num_cached_prompt_tokens)
-    hits = num_cached_prompt_tokens[hit_rows]
-    hit_rows_of_token = np.repeat(hit_rows, hits)
-    hit_positions = np.arange(int(hits.sum())) - np.repeat(np.cumsum(hits) - hits, hits)
-    is_prompt = ~is_decode_row[tokens.row_of_token]
-    rows = np.concatenate([hit_rows_of_token, tokens.row_of_token[is_prompt]])
-    columns = np.concatenate([hit_positions, tokens.positions[is_prompt]])
-    return (
-        torch.from_numpy(token_slots[rows]),
-        torch.from_numpy(columns),
-        torch.from_numpy(batch.token_ids_cpu[rows, columns].astype(np.int32)),
+    if not hit_rows.size:
+        return None
+    ids = np.zeros((len(hit_rows), history_len), np.int32)
+    width = min(history_len, batch.token_ids_cpu.shape[1])
+    ids[:, :width] = batch.token_ids_cpu[hit_rows, :width]
+    return PrefixWrites(
+        slots=torch.from_numpy(token_slots[hit_rows]),
+        ids=torch.from_numpy(ids),
+        counts=torch.from_numpy(num_cached_prompt_tokens[hit_rows]),
     )

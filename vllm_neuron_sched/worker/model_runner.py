@@ -337,16 +337,17 @@ class NeuronSchedModelRunner:
             def on_device(fn: Any, *args: Any) -> Any:
                 return self.device.enqueue(fn, *args).result()
 
+            sizes = forward_sizes(
+                self.ctx.buckets, 1 if spec is None else 1 + spec.num_tokens
+            )
             warm_up(
                 self._models(),
-                forward_sizes(
-                    self.ctx.buckets, 1 if spec is None else 1 + spec.num_tokens
-                ),
+                sizes,
                 self._dummy_forward,
                 on_device,
                 f"{self.device.label}: forward",
             )
-            self._compile_programs(spec, on_device)
+            self._compile_programs(spec, sizes, on_device)
             return
         if self.vllm_config.compilation_config.mode == CompilationMode.NONE:
             return
@@ -354,15 +355,21 @@ class NeuronSchedModelRunner:
         self.device.enqueue(self._dummy_forward, self.max_num_tokens).result()
         logger.info("Warming up done.")
 
-    def _compile_programs(self, spec: Speculation | None, on_device: Any) -> None:
+    def _compile_programs(
+        self, spec: Speculation | None, sizes: tuple[int, ...], on_device: Any
+    ) -> None:
         """The programs around the forward (sampling, penalties and bad
         words; with speculation the verify step's and the n-gram proposal)
-        compiled per decode bucket, in place of the eager ones."""
+        compiled per decode bucket, and the token table's (per decode bucket,
+        and the forward's ids per token count: ``sizes``), in place of the
+        eager ones."""
         is_ngram = isinstance(self.ctx.proposer, NgramProposer)
         dims = Dimensions(
             rows=self.ctx.buckets.decode,
             vocab=self.model_config.get_vocab_size(),
             history_len=self.ctx.token_table.history_len,
+            slots=self.ctx.token_table.num_slots,
+            tokens=sizes,
             noise_dtype=noise_dtype(self.ctx.sampler),
             logprobs_mode=self.ctx.sampler.logprobs_mode,
             # vLLM's limits per request, as its GPU runner lays them out.
@@ -386,7 +393,7 @@ class NeuronSchedModelRunner:
             on_device,
             f"{self.device.label}: programs",
         )
-        self.ctx.programs = programs
+        self.ctx.programs = self.ctx.token_table.programs = programs
         if is_ngram:
             self.ctx.proposer = replace(self.ctx.proposer, programs=programs)
 

@@ -31,6 +31,12 @@ from vllm_neuron_sched.worker.logits_rules import (
 from vllm_neuron_sched.worker.sampling import Draws, raw_scores, sample_rows
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import Randomness, accept_drafts
+from vllm_neuron_sched.worker.token_table import (
+    accept_tokens,
+    forward_ids,
+    set_drafts,
+    write_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class Dimensions:
     vocab: int
     history_len: int  # the token table's width
     noise_dtype: torch.dtype  # the sampler's Gumbel noise (fp64 or fp32)
+    slots: int = 1  # the token table's entries (the spare one included)
+    tokens: tuple[int, ...] = ()  # the forward's token counts
     logprobs_mode: str = "raw_logprobs"  # vLLM's, the engine's
     num_drafts: int = 0  # K; 0: no speculative decoding
     min_n: int = 0  # the n-gram proposer's; 0: none
@@ -64,6 +72,15 @@ class Program:
     name: str
     function: Callable[..., Any]
     examples: Examples
+    # Its first ``state`` arguments are the device's own tensors (the token
+    # table's), written in place: never padded.
+    state: int = 0
+    # What its other arguments' first dimension is: the step's rows (padded
+    # to a decode bucket) or the forward's tokens (a declared token count).
+    along: str = "rows"
+
+    def sizes(self, dims: "Dimensions") -> tuple[int, ...]:
+        return dims.tokens if self.along == "tokens" else dims.rows
 
 
 def _verify_shapes(dims: Dimensions) -> Iterator[tuple[int, int]]:
@@ -226,6 +243,49 @@ def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
         )
 
 
+def _table(dims: Dimensions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token table's tensors as ``DeviceTokens`` makes them (not
+    inference tensors): its newest tokens, its histories and their lengths."""
+    with torch.inference_mode(False):
+        return (
+            torch.zeros(dims.slots, dtype=torch.int32),
+            torch.zeros(dims.slots, dims.history_len, dtype=torch.int32),
+            torch.zeros(dims.slots, dtype=torch.int64),
+        )
+
+
+def _forward_ids_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    table, history, _ = _table(dims)
+    for tokens in dims.tokens:
+        ids = torch.zeros(tokens, dtype=torch.int32)
+        yield table, history, ids, _rows_of(tokens), _rows_of(tokens), _rows_of(tokens)
+
+
+def _write_prefix_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    _, history, _ = _table(dims)
+    for rows in dims.rows:
+        ids = torch.zeros(rows, dims.history_len, dtype=torch.int32)
+        yield history, _rows_of(rows), ids, _rows_of(rows)
+
+
+def _accept_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    for rows, width in _per_query(dims):
+        tokens = torch.zeros(rows, width, dtype=torch.int32)
+        yield *_table(dims), _rows_of(rows), _rows_of(rows), tokens, _rows_of(rows)
+
+
+def _set_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """None without speculative decoding (no drafts)."""
+    if not dims.num_drafts:
+        return
+    with torch.inference_mode(False):
+        drafts = torch.zeros(dims.slots, dims.num_drafts, dtype=torch.int32)
+        counts = _rows_of(dims.slots)
+    for rows in dims.rows:
+        new = torch.zeros(rows, dims.num_drafts, dtype=torch.int32)
+        yield drafts, counts, _rows_of(rows), new, _rows_of(rows)
+
+
 PROGRAMS: tuple[Program, ...] = (
     Program("sample_rows", sample_rows, _sample_rows_examples),
     Program("raw_scores", raw_scores, _raw_scores_examples),
@@ -236,6 +296,10 @@ PROGRAMS: tuple[Program, ...] = (
     Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
     Program("add_logit_bias", add_logit_bias, _logit_bias_examples),
     Program("penalize_queries", penalize_queries, _penalties_examples),
+    Program("forward_ids", forward_ids, _forward_ids_examples, 2, "tokens"),
+    Program("write_prefix", write_prefix, _write_prefix_examples, 1),
+    Program("accept_tokens", accept_tokens, _accept_tokens_examples, 3),
+    Program("set_drafts", set_drafts, _set_drafts_examples, 2),
 )
 
 
@@ -254,6 +318,10 @@ class Programs:
     mask_min_tokens: Callable[..., Any] = mask_min_tokens
     add_logit_bias: Callable[..., Any] = add_logit_bias
     penalize_queries: Callable[..., Any] = penalize_queries
+    forward_ids: Callable[..., Any] = forward_ids
+    write_prefix: Callable[..., Any] = write_prefix
+    accept_tokens: Callable[..., Any] = accept_tokens
+    set_drafts: Callable[..., Any] = set_drafts
     bad_words_shape: tuple[int, int] | None = None
 
 

@@ -294,6 +294,7 @@ class TokensStep:
             update.token_slots,
             ctx.kv_cache.attn_groups,
             ctx.max_model_len,
+            ctx.token_table.history_len,
             update.num_cached_prompt_tokens,
             ctx.rules_of(host, rows.req_ids),
         )
@@ -373,9 +374,13 @@ class TokensStep:
         the last stage's, which has the logits)."""
         inputs = self.inputs
         with torch.inference_mode():
-            if inputs.history_writes is not None:
-                ctx.token_table.record(*inputs.history_writes)
-            ctx.token_table.gather(inputs.input_ids, inputs.gather)
+            # In place: a draft model's forward reads them after this one.
+            inputs.input_ids[:] = ctx.token_table.forward_ids(
+                inputs.input_ids,
+                inputs.layout.positions,
+                inputs.forward_ids,
+                inputs.prefix_writes,
+            )
             if self.adapters is not None:
                 assert ctx.lora is not None
                 ctx.lora.activate(self.adapters)

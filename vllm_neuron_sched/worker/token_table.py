@@ -1,32 +1,57 @@
-"""The device token table, and the decode-id gather that reads it.
+"""The device token table, and the programs that read and write it.
 
 Every sampling execution writes each sampling row's token into the table, one
-entry (token slot) per live request. A later step's decode rows take their
-input ids from it on the device, so step N's tokens are step N+1's input ids
-without a host round trip whatever happens to the batch in between (joins,
-finishes, aborts, reorders, prompt chunks of others). The gather is the two
-halves below: the host decides which input positions read which slots
-(``plan_gather``), the forward reads them (``DeviceTokens.gather``).
+entry (token slot) per request in the batch. A later step's decode rows take
+their input ids from it on the device, so step N's tokens are step N+1's
+input ids without a host round trip whatever happens to the batch in between
+(joins, finishes, aborts, reorders, prompt chunks of others). The host
+decides which input positions read which slots and which prompt tokens enter
+which histories (``plan_forward_ids``); the forward's first program reads and
+writes them (``forward_ids``).
+
+The table's programs are functions of tensors like the programs around the
+forward (``worker/programs.py``), at shapes fixed at start-up: the table's
+own (a slot per request the scheduler may run, and the spare) and a step's
+(its token count, its rows). The table's tensors come first and are written
+in place; the ``compiled`` device compiles each program per declared shape.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vllm_neuron_sched.worker.programs import Programs
 
 # A sampled token in a host history while it is still only on the device.
 PLACEHOLDER_TOKEN_ID = -1
 # Slot 0 is the spare slot: rows that sample nothing (padding, prompt chunks
 # that are not the last) write their token there, and nothing reads it.
 SPARE_TOKEN_SLOT = 0
+# A forward token whose input id is the host's, not the table's.
+HOST_TOKEN = -1
 
 
 @dataclass(frozen=True)
-class TableGather:
-    """Which positions of a step's input ids come from which token slots."""
+class ForwardIds:
+    """Per token of a step's padded input ids: the slot its id comes from
+    (``HOST_TOKEN``: the host's), and the slot whose history its id enters
+    (a prompt token; the spare slot for the others)."""
 
-    positions: torch.Tensor  # [num_decode] int64, in the padded input ids
-    slots: torch.Tensor  # [num_decode] int64
+    read_slots: torch.Tensor  # [num_tokens_padded] int64
+    write_slots: torch.Tensor  # [num_tokens_padded] int64
+
+
+@dataclass(frozen=True)
+class PrefixWrites:
+    """Rows that join with a prefix-cache hit, and the tokens it covers,
+    which they do not run but the penalties and the n-gram proposer read."""
+
+    slots: torch.Tensor  # [rows] int64
+    ids: torch.Tensor  # [rows, history_len] int32, the hit's first
+    counts: torch.Tensor  # [rows] int64
 
 
 def history_width(max_model_len: int, num_drafts: int) -> int:
@@ -34,23 +59,95 @@ def history_width(max_model_len: int, num_drafts: int) -> int:
     return max_model_len + 1 + num_drafts
 
 
-def plan_gather(
-    decode_rows: np.ndarray, last_token_index: np.ndarray, token_slots: np.ndarray
-) -> TableGather | None:
+def plan_forward_ids(
+    num_tokens_padded: int,
+    token_index: np.ndarray,
+    row_of_token: np.ndarray,
+    is_decode_row: np.ndarray,
+    last_token_index: np.ndarray,
+    token_slots: np.ndarray,
+) -> ForwardIds:
     """Host side: each decode row's one input id (its newest token, at
-    ``last_token_index[row]`` in the padded step) is read from the row's slot.
-    None when no row decodes."""
-    if not decode_rows.size:
-        return None
-    return TableGather(
-        positions=torch.from_numpy(last_token_index[decode_rows]),
-        slots=torch.from_numpy(token_slots[decode_rows]),
-    )
+    ``last_token_index[row]`` in the padded step) is read from the row's
+    slot; every other real token is a prompt token, which enters its row's
+    history at its position."""
+    read_slots = np.full(num_tokens_padded, HOST_TOKEN, np.int64)
+    decode_rows = np.flatnonzero(is_decode_row)
+    read_slots[last_token_index[decode_rows]] = token_slots[decode_rows]
+    write_slots = np.full(num_tokens_padded, SPARE_TOKEN_SLOT, np.int64)
+    is_prompt = ~is_decode_row[row_of_token]
+    write_slots[token_index[is_prompt]] = token_slots[row_of_token[is_prompt]]
+    return ForwardIds(torch.from_numpy(read_slots), torch.from_numpy(write_slots))
+
+
+# ---- the programs (device side): the table's tensors first, in place ------
+
+
+def forward_ids(
+    table: torch.Tensor,
+    history: torch.Tensor,
+    host_ids: torch.Tensor,
+    positions: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+) -> torch.Tensor:
+    """[tokens] the forward's input ids: a decode token's from the table,
+    the others the host's; the prompt tokens enter their histories."""
+    from_table = table[read_slots.clamp(min=0)].to(host_ids.dtype)
+    ids = torch.where(read_slots >= 0, from_table, host_ids)
+    columns = positions.clamp(min=0, max=history.shape[1] - 1)
+    history[write_slots, columns] = ids.to(history.dtype)
+    return ids
+
+
+def write_prefix(
+    history: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Each row's first ``counts`` tokens of ``ids`` into its history, at a
+    fixed shape: the entries past a row's count into the spare slot."""
+    keep = torch.arange(ids.shape[1])[None, :] < counts[:, None]
+    rows = torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
+    history[rows, torch.arange(ids.shape[1]).expand_as(rows)] = ids
+
+
+def accept_tokens(
+    table: torch.Tensor,
+    history: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Each row's first ``counts`` of ``tokens`` [rows, W] enter its history
+    at ``starts``; the last of them is the newest token. Every entry is
+    written, at a fixed shape: those past a row's count into the spare slot,
+    which nothing reads."""
+    width = tokens.shape[1]
+    columns = starts[:, None] + torch.arange(width)
+    keep = torch.arange(width)[None, :] < counts[:, None]
+    rows = torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
+    history[rows, columns.clamp(max=history.shape[1] - 1)] = tokens.to(history.dtype)
+    lengths[slots] = starts + counts
+    newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
+    table[slots] = newest.to(table.dtype)
+
+
+def set_drafts(
+    drafts: torch.Tensor,
+    draft_counts: torch.Tensor,
+    slots: torch.Tensor,
+    new: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """A proposer's drafts [rows, K] for the slots, ``counts`` of them real."""
+    drafts[slots] = new.to(drafts.dtype)
+    draft_counts[slots] = counts
 
 
 class DeviceTokens:
-    """The newest sampled token of every live request, on the device, one
-    entry per token slot (host state assigns the slots: ``TokenSlots``).
+    """The newest sampled token of every request in the batch, on the device,
+    one entry per token slot (host state assigns the slots: ``TokenSlots``).
 
     Each slot also keeps the request's whole token history (prompt and
     outputs, ``history_len`` columns) and its length: the sampling program's
@@ -60,11 +157,12 @@ class DeviceTokens:
     ids, positions and KV slots come from here, because neither the host nor
     the scheduler knows yet how many drafts the step before was accepted.
 
-    Only device executions touch the table (``gather`` in a forward,
-    ``read`` and ``write`` in sampling, in enqueue order), so the host never
-    reads, writes or resizes storage an execution may be using. Its size is
-    fixed at start-up: a slot per request the scheduler may run
-    (``TokenSlots``), and the spare.
+    Only device executions touch the table (``forward_ids`` in a forward,
+    ``accept`` in a step's sampling or verification, in enqueue order), so
+    the host never reads, writes or resizes storage an execution may be
+    using. Its size is fixed at start-up: a slot per request the scheduler
+    may run (``TokenSlots``), and the spare. Its writes run as ``programs``
+    (eager, or compiled per declared shape on the compiled device).
     """
 
     def __init__(
@@ -73,27 +171,49 @@ class DeviceTokens:
         history_len: int,
         num_drafts: int = 0,
     ) -> None:
-        self._table = torch.zeros(capacity + 1, dtype=torch.int32)  # device-owned
         self.history_len = history_len
-        # Device-owned, like the table: [slots, L] token ids, [slots] tokens
-        # known; speculative decoding only: [slots, K] drafts, [slots] drafts.
-        self._history = torch.zeros((capacity + 1, history_len), dtype=torch.int32)
-        self._lengths = torch.zeros(capacity + 1, dtype=torch.int64)
-        self._drafts = torch.zeros((capacity + 1, num_drafts), dtype=torch.int32)
-        self._draft_counts = torch.zeros(capacity + 1, dtype=torch.int64)
+        # Not inference tensors, wherever the runner is made: the programs
+        # that write them are compiled for tensors of this kind.
+        self.num_slots = slots = capacity + 1
+        with torch.inference_mode(False):
+            self._table = torch.zeros(slots, dtype=torch.int32)  # device-owned
+            # Device-owned, like the table: [slots, L] token ids, [slots]
+            # tokens known; speculative decoding only: [slots, K] drafts,
+            # [slots] drafts.
+            self._history = torch.zeros((slots, history_len), dtype=torch.int32)
+            self._lengths = torch.zeros(slots, dtype=torch.int64)
+            self._drafts = torch.zeros((slots, num_drafts), dtype=torch.int32)
+            self._draft_counts = torch.zeros(slots, dtype=torch.int64)
+        from vllm_neuron_sched.worker.programs import EAGER  # it runs ours
+
+        self.programs: Programs = EAGER
 
     # ---- device side: called inside device executions only ----------------
 
-    def gather(self, input_ids: torch.Tensor, plan: TableGather | None) -> None:
-        """The forward's first act: decode rows' input ids from the table."""
-        if plan is not None:
-            input_ids[plan.positions] = self._table[plan.slots]
+    def forward_ids(
+        self,
+        host_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: ForwardIds,
+        prefix: PrefixWrites | None,
+    ) -> torch.Tensor:
+        """The forward's first act: a joining row's prefix-cache hit into
+        its history, then its input ids (``forward_ids``)."""
+        if prefix is not None:
+            self.programs.write_prefix(
+                self._history, prefix.slots, prefix.ids, prefix.counts
+            )
+        return self.programs.forward_ids(
+            self._table,
+            self._history,
+            host_ids,
+            positions,
+            plan.read_slots,
+            plan.write_slots,
+        )
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return self._table[slots]
-
-    def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        self._table[slots] = tokens
 
     # ---- histories, and speculative decoding's drafts (device side too) ----
 
@@ -117,14 +237,9 @@ class DeviceTokens:
         self, slots: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor
     ) -> None:
         """A proposer's drafts [rows, K] for the slots, ``counts`` of them real."""
-        self._drafts[slots] = drafts.to(torch.int32)
-        self._draft_counts[slots] = counts
-
-    def record(
-        self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
-    ) -> None:
-        """Prompt tokens into the histories."""
-        self._history[slots, positions.clamp(max=self.history_len - 1)] = ids
+        self.programs.set_drafts(
+            self._drafts, self._draft_counts, slots, drafts.to(torch.int32), counts
+        )
 
     def accept(
         self,
@@ -134,18 +249,17 @@ class DeviceTokens:
         counts: torch.Tensor,
     ) -> None:
         """Each row's first ``counts`` of ``tokens`` [rows, W] enter its
-        history at ``starts``; the last of them is the newest token. Every
-        entry is written, at a fixed shape: those past a row's count into the
-        spare slot, which nothing reads. A step's sampling accepts its one
-        token per row (``accept_sampled``)."""
-        width = tokens.shape[1]
-        columns = starts[:, None] + torch.arange(width)
-        keep = torch.arange(width)[None, :] < counts[:, None]
-        rows = torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
-        self._history[rows, columns.clamp(max=self.history_len - 1)] = tokens
-        self._lengths[slots] = starts + counts
-        newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
-        self._table[slots] = newest
+        history at ``starts`` (``accept_tokens``). A step's sampling accepts
+        its one token per row (``accept_sampled``)."""
+        self.programs.accept_tokens(
+            self._table,
+            self._history,
+            self._lengths,
+            slots,
+            starts,
+            tokens.to(torch.int32),
+            counts,
+        )
 
     def accept_sampled(
         self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor

@@ -309,6 +309,9 @@ def test_every_rule_runs_in_the_compiled_programs(mode: str) -> None:
         "mask_min_tokens": 1,
         "add_logit_bias": 1,
         "penalize_queries": 1,
+        # The token table's: this step's histories are given, not a table's.
+        "write_prefix": 0,
+        "accept_tokens": 0,
     }
 
 

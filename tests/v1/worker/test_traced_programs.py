@@ -6,6 +6,7 @@ eager program does. Dynamo's eager backend: the trace is what is checked."""
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -21,12 +22,17 @@ from vllm_neuron_sched.worker.history_rules import (
     plan_bad_words,
 )
 from vllm_neuron_sched.worker.logits_rules import mask_min_tokens
-from vllm_neuron_sched.worker.programs import PROGRAMS, Dimensions, Program
+from vllm_neuron_sched.worker.programs import EAGER, PROGRAMS, Dimensions, Program
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import (
     REJECTED,
     Randomness,
     accept_drafts,
+)
+from vllm_neuron_sched.worker.token_table import (
+    DeviceTokens,
+    PrefixWrites,
+    plan_forward_ids,
 )
 
 K = 4  # drafts per row
@@ -35,6 +41,8 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 WIDTHS = (1, 1 + K)  # a verify step without drafts, and with
 HISTORY_LEN = 48
 BAD_WORDS_SHAPE = (4, 16)  # words, tokens per row
+NUM_SLOTS = 9  # the token table's: 8 requests and the spare
+TOKEN_COUNTS = (8, 16, 32)  # the forward's
 
 
 def _graphs_per_shape(
@@ -209,6 +217,8 @@ DIMS = Dimensions(
     vocab=VOCAB,
     history_len=HISTORY_LEN,
     noise_dtype=torch.float32,
+    slots=NUM_SLOTS,
+    tokens=TOKEN_COUNTS,
     min_n=1,
     max_n=3,
     max_model_len=40,
@@ -259,3 +269,73 @@ def test_compiled_programs_pad_rows_to_a_bucket_and_refuse_other_shapes() -> Non
     # The bad words are laid out at the shape their graphs were compiled for.
     assert isinstance(programs.mask_bad_words, CompiledProgram)
     assert programs.bad_words_shape == BAD_WORDS_SHAPE
+
+
+def test_the_token_tables_compiled_programs_write_what_the_eager_ones_write() -> None:
+    """The token table's programs on the compiled device (their rows padded
+    to a bucket with copies of the last, which write what it writes) leave
+    the table as the eager ones do: a forward of prompt and decode tokens
+    and a prefix-cache hit, a step's sampling and a verify step's accepted
+    runs, drafts; then a forward that reads the tokens back."""
+    torch._dynamo.reset()
+    compiled = compile_programs(
+        DIMS, EAGER_BACKEND, lambda fn, *args: fn(*args), "test: programs"
+    )
+    tables = {}
+    for name, programs in {"eager": EAGER, "compiled": compiled}.items():
+        table = DeviceTokens(NUM_SLOTS - 1, HISTORY_LEN, num_drafts=K)
+        table.programs = programs
+        tables[name] = (table, _run_table(table))
+    (eager, eager_ids), (ours, our_ids) = tables.values()
+    for got, want in zip(our_ids, eager_ids):
+        torch.testing.assert_close(got, want)
+    for name in ("_table", "_history", "_lengths", "_drafts", "_draft_counts"):
+        torch.testing.assert_close(getattr(ours, name), getattr(eager, name))
+    calls = {n: getattr(compiled, n).calls for n in TABLE_PROGRAMS}
+    assert calls == {
+        "forward_ids": 2,
+        "write_prefix": 1,
+        "accept_tokens": 2,
+        "set_drafts": 1,
+    }
+
+
+TABLE_PROGRAMS = ("forward_ids", "write_prefix", "accept_tokens", "set_drafts")
+
+
+def _run_table(table: DeviceTokens) -> list[torch.Tensor]:
+    """Three rows in slots 2, 5, 7: a prompt chunk, a decode, a last chunk
+    after a prefix-cache hit of 3; 10 tokens padded to 16."""
+    generator = torch.Generator().manual_seed(3)
+    slots = np.array([2, 5, 7])
+    num_run = np.array([5, 1, 4])
+    row_of_token = np.repeat(np.arange(3), num_run)
+    plan = plan_forward_ids(
+        16,
+        np.arange(10),
+        row_of_token,
+        np.array([False, True, False]),
+        np.cumsum(num_run) - 1,
+        slots,
+    )
+    positions = torch.arange(16) % 7
+    prefix = PrefixWrites(
+        torch.tensor([7]),
+        torch.randint(
+            0, VOCAB, (1, HISTORY_LEN), generator=generator, dtype=torch.int32
+        ),
+        torch.tensor([3]),
+    )
+    rows = torch.from_numpy(slots)
+    with torch.inference_mode():
+        host_ids = torch.randint(
+            0, VOCAB, (16,), generator=generator, dtype=torch.int32
+        )
+        first = table.forward_ids(host_ids, positions, plan, prefix)
+        table.accept_sampled(rows, torch.tensor([5, 9, 7]), torch.tensor([11, 12, 13]))
+        runs = torch.randint(0, VOCAB, (3, 1 + K), generator=generator)
+        table.accept(rows, torch.tensor([6, 10, 8]), runs, torch.tensor([1, 5, 3]))
+        drafts = torch.randint(0, VOCAB, (3, K), generator=generator)
+        table.set_drafts(rows, drafts, torch.tensor([0, 4, 2]))
+        again = table.forward_ids(host_ids, positions, plan, None)
+    return [first, again]
