@@ -69,7 +69,7 @@ def test_compiled_serves_stock_tokens_without_compiling(
     # logprobs before the rules; the rules at widths 1 and 1 + K, and for
     # rejection sampling greedy, random and truncated rows; the token
     # table's: a forward's ids per token count, a prefix-cache hit's tokens,
-    # accepted tokens at widths 1 and 1 + K, the drafts.
+    # accepted tokens at widths 1 and 1 + K, the drafts; its reads.
     assert before["program_shapes"] == {
         "sample_rows": 30,
         "raw_scores": 3,
@@ -84,6 +84,8 @@ def test_compiled_serves_stock_tokens_without_compiling(
         "write_prefix": 3,
         "accept_tokens": 6,
         "set_drafts": 3,
+        "read_histories": 3,
+        "read_drafts": 3,
     }
     for name, shapes in before["program_shapes"].items():
         assert before["program_graphs"][name] >= shapes
@@ -99,6 +101,6 @@ def test_compiled_serves_stock_tokens_without_compiling(
         assert calls[rule] > 0, calls
     assert calls["penalize_queries"] > 0
     # The token table is read and written in its programs only.
-    for table_program in ("forward_ids", "accept_tokens", "set_drafts"):
+    for table_program in ("forward_ids", "accept_tokens", "set_drafts", "read_drafts"):
         assert calls[table_program] > 0, calls
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in stock.result()]

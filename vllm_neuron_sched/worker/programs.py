@@ -34,6 +34,8 @@ from vllm_neuron_sched.worker.spec.rejection import Randomness, accept_drafts
 from vllm_neuron_sched.worker.token_table import (
     accept_tokens,
     forward_ids,
+    read_drafts,
+    read_histories,
     set_drafts,
     write_prefix,
 )
@@ -274,16 +276,37 @@ def _accept_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
         yield *_table(dims), _rows_of(rows), _rows_of(rows), tokens, _rows_of(rows)
 
 
+def _drafts(dims: Dimensions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token table's drafts and their counts, as ``_table``."""
+    with torch.inference_mode(False):
+        return (
+            torch.zeros(dims.slots, dims.num_drafts, dtype=torch.int32),
+            torch.zeros(dims.slots, dtype=torch.int64),
+        )
+
+
 def _set_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
     """None without speculative decoding (no drafts)."""
     if not dims.num_drafts:
         return
-    with torch.inference_mode(False):
-        drafts = torch.zeros(dims.slots, dims.num_drafts, dtype=torch.int32)
-        counts = _rows_of(dims.slots)
     for rows in dims.rows:
         new = torch.zeros(rows, dims.num_drafts, dtype=torch.int32)
-        yield drafts, counts, _rows_of(rows), new, _rows_of(rows)
+        yield *_drafts(dims), _rows_of(rows), new, _rows_of(rows)
+
+
+def _read_histories_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    _, history, lengths = _table(dims)
+    for rows in dims.rows:
+        yield history, lengths, _rows_of(rows)
+
+
+def _read_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """None without speculative decoding (no drafts)."""
+    if not dims.num_drafts:
+        return
+    table, _, lengths = _table(dims)
+    for rows in dims.rows:
+        yield table, lengths, *_drafts(dims), _rows_of(rows)
 
 
 PROGRAMS: tuple[Program, ...] = (
@@ -300,6 +323,8 @@ PROGRAMS: tuple[Program, ...] = (
     Program("write_prefix", write_prefix, _write_prefix_examples, 1),
     Program("accept_tokens", accept_tokens, _accept_tokens_examples, 3),
     Program("set_drafts", set_drafts, _set_drafts_examples, 2),
+    Program("read_histories", read_histories, _read_histories_examples, 2),
+    Program("read_drafts", read_drafts, _read_drafts_examples, 4),
 )
 
 
@@ -322,6 +347,8 @@ class Programs:
     write_prefix: Callable[..., Any] = write_prefix
     accept_tokens: Callable[..., Any] = accept_tokens
     set_drafts: Callable[..., Any] = set_drafts
+    read_histories: Callable[..., Any] = read_histories
+    read_drafts: Callable[..., Any] = read_drafts
     bad_words_shape: tuple[int, int] | None = None
 
 

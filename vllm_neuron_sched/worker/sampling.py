@@ -153,7 +153,8 @@ def _plain_pasts(
     it samples; the device histories only where a rule reads them."""
     history = None
     if with_history:
-        history = tokens.histories_of(torch.from_numpy(inputs.token_slots)).long()
+        slots = torch.from_numpy(inputs.token_slots)
+        history = tokens.histories_of(slots)[0].long()
     return QueryPasts(history, inputs.next_positions[:, None], inputs.prompt_lens)
 
 

@@ -17,7 +17,7 @@ in place; the ``compiled`` device compiles each program per declared shape.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -51,6 +51,16 @@ class PrefixWrites:
 
     slots: torch.Tensor  # [rows] int64
     ids: torch.Tensor  # [rows, history_len] int32, the hit's first
+    counts: torch.Tensor  # [rows] int64
+
+
+class SlotDrafts(NamedTuple):
+    """What a verify step and a proposer read of their rows' slots, [rows]
+    first: the newest token, the tokens known, the drafts and their count."""
+
+    newest: torch.Tensor  # [rows] int32
+    lengths: torch.Tensor  # [rows] int64
+    drafts: torch.Tensor  # [rows, K] int32, 0 past their counts
     counts: torch.Tensor  # [rows] int64
 
 
@@ -133,6 +143,25 @@ def accept_tokens(
     table[slots] = newest.to(table.dtype)
 
 
+def read_histories(
+    history: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, L] the slots' histories (garbage past their lengths), and
+    [rows] their lengths: copies."""
+    return history[slots], lengths[slots]
+
+
+def read_drafts(
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_counts: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """``SlotDrafts``' fields for the slots: copies."""
+    return table[slots], lengths[slots], drafts[slots], draft_counts[slots]
+
+
 def set_drafts(
     drafts: torch.Tensor,
     draft_counts: torch.Tensor,
@@ -212,26 +241,20 @@ class DeviceTokens:
             plan.write_slots,
         )
 
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._table[slots]
-
     # ---- histories, and speculative decoding's drafts (device side too) ----
 
-    def lengths_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """[rows] int64: the tokens each slot's history holds."""
-        return self._lengths[slots]
+    def histories_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows, L] int32 the slots' histories, garbage past their
+        lengths; [rows] int64 the lengths): copies (``read_histories``)."""
+        return self.programs.read_histories(self._history, self._lengths, slots)
 
-    def histories_of(self, slots: torch.Tensor, end: int | None = None) -> torch.Tensor:
-        """[rows, end] int32, a copy: the slots' histories (garbage past their
-        lengths)."""
-        return self._history[slots, :end]
-
-    def drafts_of(self, slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
-        """[rows, width] int32, a copy: the slots' drafts (0 past their counts)."""
-        return self._drafts[slots, :width]
-
-    def draft_counts_of(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._draft_counts[slots]
+    def drafts_of(self, slots: torch.Tensor) -> SlotDrafts:
+        """What a verify step or a proposer reads: copies (``read_drafts``)."""
+        return SlotDrafts(
+            *self.programs.read_drafts(
+                self._table, self._lengths, self._drafts, self._draft_counts, slots
+            )
+        )
 
     def set_drafts(
         self, slots: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor

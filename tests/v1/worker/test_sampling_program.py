@@ -312,6 +312,7 @@ def test_every_rule_runs_in_the_compiled_programs(mode: str) -> None:
         # The token table's: this step's histories are given, not a table's.
         "write_prefix": 0,
         "accept_tokens": 0,
+        "read_histories": 0,
     }
 
 

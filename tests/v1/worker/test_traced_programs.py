@@ -274,9 +274,10 @@ def test_compiled_programs_pad_rows_to_a_bucket_and_refuse_other_shapes() -> Non
 def test_the_token_tables_compiled_programs_write_what_the_eager_ones_write() -> None:
     """The token table's programs on the compiled device (their rows padded
     to a bucket with copies of the last, which write what it writes) leave
-    the table as the eager ones do: a forward of prompt and decode tokens
-    and a prefix-cache hit, a step's sampling and a verify step's accepted
-    runs, drafts; then a forward that reads the tokens back."""
+    the table as the eager ones do, and read what they read: a forward of
+    prompt and decode tokens and a prefix-cache hit, a step's sampling and
+    a verify step's accepted runs, drafts; then a forward that reads the
+    tokens back, and the rows' histories and drafts."""
     torch._dynamo.reset()
     compiled = compile_programs(
         DIMS, EAGER_BACKEND, lambda fn, *args: fn(*args), "test: programs"
@@ -297,10 +298,19 @@ def test_the_token_tables_compiled_programs_write_what_the_eager_ones_write() ->
         "write_prefix": 1,
         "accept_tokens": 2,
         "set_drafts": 1,
+        "read_histories": 1,
+        "read_drafts": 1,
     }
 
 
-TABLE_PROGRAMS = ("forward_ids", "write_prefix", "accept_tokens", "set_drafts")
+TABLE_PROGRAMS = (
+    "forward_ids",
+    "write_prefix",
+    "accept_tokens",
+    "set_drafts",
+    "read_histories",
+    "read_drafts",
+)
 
 
 def _run_table(table: DeviceTokens) -> list[torch.Tensor]:
@@ -338,4 +348,5 @@ def _run_table(table: DeviceTokens) -> list[torch.Tensor]:
         drafts = torch.randint(0, VOCAB, (3, K), generator=generator)
         table.set_drafts(rows, drafts, torch.tensor([0, 4, 2]))
         again = table.forward_ids(host_ids, positions, plan, None)
-    return [first, again]
+        reads = [*table.histories_of(rows), *table.drafts_of(rows)]
+    return [first, again, *reads]

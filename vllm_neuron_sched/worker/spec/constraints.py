@@ -46,12 +46,11 @@ def constrain_verify_logits(
     if not any_rule(plan.rules, metadata):
         return logits, metadata
     rows, width = plan.num_rows, plan.width
-    lengths = tokens.lengths_of(plan.slots)
-    history = None
-    if reads_history(plan.rules, metadata):
-        history = _histories_with_drafts(plan, tokens, lengths)
+    history, lengths = tokens.histories_of(plan.slots)
     pasts = QueryPasts(
-        history,
+        _histories_with_drafts(plan, tokens, history, lengths)
+        if reads_history(plan.rules, metadata)
+        else None,
         lengths[:, None] + torch.arange(width)[None, :],  # j drafts past them
         plan.prompt_lens,
     )
@@ -78,17 +77,19 @@ def constrain_verify_logits(
 
 
 def _histories_with_drafts(
-    plan: "VerifyPlan", tokens: "DeviceTokens", lengths: torch.Tensor
+    plan: "VerifyPlan",
+    tokens: "DeviceTokens",
+    history: torch.Tensor,
+    lengths: torch.Tensor,
 ) -> torch.Tensor:
     """[rows, token table width + K] int64: each row's known tokens, then its
     drafts. The whole width, not the rows' longest: a fixed shape, and no
     host read of the device's lengths."""
-    history = tokens.histories_of(plan.slots).long()
+    history = history.long()
     width = plan.width
     if width > 1:
         history = torch.nn.functional.pad(history, (0, width - 1))
         columns = lengths[:, None] + torch.arange(width - 1)
-        history = history.scatter(
-            1, columns, tokens.drafts_of(plan.slots, width - 1).long()
-        )
+        drafts = tokens.drafts_of(plan.slots).drafts[:, : width - 1]
+        history = history.scatter(1, columns, drafts.long())
     return history

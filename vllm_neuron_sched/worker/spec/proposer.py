@@ -57,8 +57,7 @@ class NgramProposer:
     def propose(self, tokens: "DeviceTokens", accepted: AcceptedTokens) -> None:
         spec, slots = self.speculation, accepted.slots
         drafts, counts = self.programs.propose_ngram_drafts(
-            tokens.histories_of(slots),
-            tokens.lengths_of(slots),
+            *tokens.histories_of(slots),
             spec.num_tokens,
             spec.min_n,
             spec.max_n,
@@ -84,4 +83,5 @@ def after_prompt_sampling(
     proposer.propose(
         tokens, AcceptedTokens(slots, positions, sampled[:, None], counts, tables)
     )
-    return Drafts(tokens.drafts_of(slots), tokens.draft_counts_of(slots))
+    read = tokens.drafts_of(slots)
+    return Drafts(read.drafts, read.counts)

@@ -128,16 +128,14 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
     the newest token at position ``length - 1``, then the drafts. Queries
     past a row's drafts, and padded rows, write no KV and are never sampled."""
     rows, width = plan.num_rows, plan.width
-    lengths = tokens.lengths_of(plan.slots)
-    num_drafts = torch.minimum(
-        tokens.draft_counts_of(plan.slots), plan.scheduled_drafts
-    )
+    read = tokens.drafts_of(plan.slots)
+    num_drafts = torch.minimum(read.counts, plan.scheduled_drafts)
     if width == 1:
         num_drafts = torch.zeros_like(num_drafts)
     ids = torch.zeros((plan.num_rows_padded, width), dtype=torch.int32)
-    ids[:rows, 0] = tokens.read(plan.slots)
-    ids[:rows, 1:] = tokens.drafts_of(plan.slots, width - 1)
-    sequences = rectangle(plan.num_rows_padded, width, lengths - 1, 1 + num_drafts)
+    ids[:rows, 0] = read.newest
+    ids[:rows, 1:] = read.drafts[:, : width - 1]
+    sequences = rectangle(plan.num_rows_padded, width, read.lengths - 1, 1 + num_drafts)
     attn_inputs, slot_mapping = sequences.attention(plan.groups, plan.tables)
     return VerifyInputs(
         input_ids=ids.flatten(),
@@ -145,7 +143,7 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
         slot_mapping=slot_mapping,
         attn_inputs=attn_inputs,
         num_drafts=num_drafts,
-        starts=lengths,
+        starts=read.lengths,
     )
 
 
@@ -181,7 +179,7 @@ def verify_on_device(
             logits,
             plan.width,
             num_drafts,
-            tokens.drafts_of(plan.slots),
+            tokens.drafts_of(plan.slots).drafts,
             random,
             programs,
         )
@@ -201,9 +199,8 @@ def verify_on_device(
                 plan.tables,
             ),
         )
-        drafts = Drafts(
-            tokens.drafts_of(plan.slots), tokens.draft_counts_of(plan.slots)
-        )
+        read = tokens.drafts_of(plan.slots)
+        drafts = Drafts(read.drafts, read.counts)
         return Verified(sampled, accepted, logprobs, drafts)
 
 
