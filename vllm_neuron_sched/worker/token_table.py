@@ -187,11 +187,13 @@ class DeviceTokens:
     the scheduler knows yet how many drafts the step before was accepted.
 
     Only device executions touch the table (``forward_ids`` in a forward,
-    ``accept`` in a step's sampling or verification, in enqueue order), so
-    the host never reads, writes or resizes storage an execution may be
-    using. Its size is fixed at start-up: a slot per request the scheduler
-    may run (``TokenSlots``), and the spare. Its writes run as ``programs``
-    (eager, or compiled per declared shape on the compiled device).
+    ``accept`` in a step's sampling or verification, the reads in the rules,
+    a verify step and a proposer, in enqueue order), so the host never
+    reads, writes or resizes storage an execution may be using. Its size is
+    fixed at start-up: a slot per request the scheduler may run
+    (``TokenSlots``), and the spare. Every read and write runs as one of
+    ``programs`` (eager, or compiled per declared shape on the compiled
+    device).
     """
 
     def __init__(
@@ -201,9 +203,9 @@ class DeviceTokens:
         num_drafts: int = 0,
     ) -> None:
         self.history_len = history_len
-        # Not inference tensors, wherever the runner is made: the programs
-        # that write them are compiled for tensors of this kind.
         self.num_slots = slots = capacity + 1
+        # Not inference tensors, wherever the runner is made: the programs
+        # that read and write them are compiled for tensors of this kind.
         with torch.inference_mode(False):
             self._table = torch.zeros(slots, dtype=torch.int32)  # device-owned
             # Device-owned, like the table: [slots, L] token ids, [slots]
