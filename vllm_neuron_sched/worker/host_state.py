@@ -50,14 +50,14 @@ class TokenSlots:
     def __init__(self, capacity: int) -> None:
         self._slot_of: dict[str, int] = {}
         self._free: list[int] = list(range(capacity, 0, -1))  # 0: the spare
-        self.capacity = capacity
+        self._capacity = capacity
 
     def assign(self, req_id: str) -> None:
         if req_id in self._slot_of:
             return
         if not self._free:
             raise RuntimeError(
-                f"more than {self.capacity} requests hold a token slot: the "
+                f"more than {self._capacity} requests hold a token slot: the "
                 "scheduler ran more than max_num_seqs, or did not report a "
                 "preempted request (SchedulerOutput.preempted_req_ids)"
             )

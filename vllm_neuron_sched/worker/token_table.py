@@ -115,8 +115,7 @@ def write_prefix(
 ) -> None:
     """Each row's first ``counts`` tokens of ``ids`` into its history, at a
     fixed shape: the entries past a row's count into the spare slot."""
-    keep = torch.arange(ids.shape[1])[None, :] < counts[:, None]
-    rows = torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
+    rows = _rows_or_spare(slots, counts, ids.shape[1])
     history[rows, torch.arange(ids.shape[1]).expand_as(rows)] = ids
 
 
@@ -135,12 +134,20 @@ def accept_tokens(
     which nothing reads."""
     width = tokens.shape[1]
     columns = starts[:, None] + torch.arange(width)
-    keep = torch.arange(width)[None, :] < counts[:, None]
-    rows = torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
+    rows = _rows_or_spare(slots, counts, width)
     history[rows, columns.clamp(max=history.shape[1] - 1)] = tokens.to(history.dtype)
     lengths[slots] = starts + counts
     newest = tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
     table[slots] = newest.to(table.dtype)
+
+
+def _rows_or_spare(
+    slots: torch.Tensor, counts: torch.Tensor, width: int
+) -> torch.Tensor:
+    """[rows, width]: each row's slot for its first ``counts`` entries, the
+    spare slot past them (a write at a fixed shape that keeps only those)."""
+    keep = torch.arange(width)[None, :] < counts[:, None]
+    return torch.where(keep, slots[:, None], SPARE_TOKEN_SLOT)
 
 
 def read_histories(
