@@ -56,6 +56,7 @@ class VerifyForward:
     logits: torch.Tensor  # [rows * (1 + K), vocab]: every real row's queries
     num_drafts: torch.Tensor  # [rows] int64: drafts each row verifies
     starts: torch.Tensor  # [rows] int64: history position of each row's input
+    drafts: torch.Tensor  # [rows, K] int32: the drafts it verifies
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,10 @@ def test_penalties_count_each_querys_drafts() -> None:
         repetition_penalties=torch.tensor([1.5, 2.0]),
     )
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(1))
-    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
+    drafts_read = tokens.drafts_of(plan.slots).drafts
+    constrained, left = constrain_verify_logits(
+        logits, plan, tokens, drafts_read, metadata, EAGER
+    )
     assert left.no_penalties  # the sampler does not apply them again
     for row, slot in enumerate((1, 2)):
         prompt, output = histories[slot]
@@ -200,7 +203,10 @@ def test_bad_words_mask_each_query_as_vllm_does() -> None:
     )
     logits = torch.randn(2 * width, vocab, generator=torch.Generator().manual_seed(2))
     metadata = replace(sampling_metadata([0.0, 0.0]), bad_words_token_ids=words)
-    constrained, left = constrain_verify_logits(logits, plan, tokens, metadata, EAGER)
+    drafts_read = tokens.drafts_of(plan.slots).drafts
+    constrained, left = constrain_verify_logits(
+        logits, plan, tokens, drafts_read, metadata, EAGER
+    )
     assert not left.bad_words_token_ids  # the sampler does not apply them again
     expected = logits.clone()
     pasts = []
@@ -359,7 +365,12 @@ def _verify_one_row(
     spec = SimpleNamespace(num_tokens=2, min_n=1, max_n=2, max_model_len=64)
     state = SamplingState(LogitsProcessors())
     state.histories["r"] = list(output)
-    forward = VerifyForward(logits, torch.tensor([0]), torch.tensor([len(known)]))
+    forward = VerifyForward(
+        logits,
+        torch.tensor([0]),
+        torch.tensor([len(known)]),
+        tokens.drafts_of(slots).drafts,
+    )
     verified = verify_on_device(
         NgramProposer(spec),  # type: ignore[arg-type]
         Sampler(),

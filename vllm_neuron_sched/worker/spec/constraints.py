@@ -32,6 +32,7 @@ def constrain_verify_logits(
     logits: torch.Tensor,
     plan: "VerifyPlan",
     tokens: "DeviceTokens",
+    drafts: torch.Tensor,
     metadata: "SamplingMetadata",
     programs: "Programs",
 ) -> "tuple[torch.Tensor, SamplingMetadata]":
@@ -48,7 +49,7 @@ def constrain_verify_logits(
     rows, width = plan.num_rows, plan.width
     history, lengths = tokens.histories_of(plan.slots)
     pasts = QueryPasts(
-        _histories_with_drafts(plan, tokens, history, lengths)
+        _histories_with_drafts(plan.width, history, lengths, drafts)
         if reads_history(plan.rules, metadata)
         else None,
         lengths[:, None] + torch.arange(width)[None, :],  # j drafts past them
@@ -77,19 +78,14 @@ def constrain_verify_logits(
 
 
 def _histories_with_drafts(
-    plan: "VerifyPlan",
-    tokens: "DeviceTokens",
-    history: torch.Tensor,
-    lengths: torch.Tensor,
+    width: int, history: torch.Tensor, lengths: torch.Tensor, drafts: torch.Tensor
 ) -> torch.Tensor:
     """[rows, token table width + K] int64: each row's known tokens, then its
-    drafts. The whole width, not the rows' longest: a fixed shape, and no
-    host read of the device's lengths."""
+    first ``width - 1`` drafts. The whole width, not the rows' longest: a
+    fixed shape, and no host read of the device's lengths."""
     history = history.long()
-    width = plan.width
     if width > 1:
         history = torch.nn.functional.pad(history, (0, width - 1))
         columns = lengths[:, None] + torch.arange(width - 1)
-        drafts = tokens.drafts_of(plan.slots).drafts[:, : width - 1]
-        history = history.scatter(1, columns, drafts.long())
+        history = history.scatter(1, columns, drafts[:, : width - 1].long())
     return history

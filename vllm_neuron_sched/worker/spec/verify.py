@@ -121,6 +121,7 @@ class VerifyInputs:
     attn_inputs: "AttentionInputs"
     num_drafts: torch.Tensor  # [num_rows] drafts each row verifies
     starts: torch.Tensor  # [num_rows] where each row's new tokens go
+    drafts: torch.Tensor  # [num_rows, K] int32: the drafts it verifies
 
 
 def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs:
@@ -144,6 +145,7 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
         attn_inputs=attn_inputs,
         num_drafts=num_drafts,
         starts=read.lengths,
+        drafts=read.drafts,
     )
 
 
@@ -173,13 +175,13 @@ def verify_on_device(
         if grammar is not None:
             num_drafts = apply_verify_grammar(raw_logits, num_drafts, grammar)
         logits, metadata = constrain_verify_logits(
-            raw_logits, plan, tokens, metadata, programs
+            raw_logits, plan, tokens, forward.drafts, metadata, programs
         )
         sampled = rejection_sample(
             logits,
             plan.width,
             num_drafts,
-            tokens.drafts_of(plan.slots).drafts,
+            forward.drafts,
             random,
             programs,
         )
@@ -343,4 +345,5 @@ def _verify_forward_on_device(
             ctx.model.compute_logits(hidden_states[:num_real]),
             inputs.num_drafts,
             inputs.starts,
+            inputs.drafts,
         )
