@@ -67,9 +67,10 @@ def test_compiled_serves_stock_tokens_without_compiling(
     # Per decode bucket (1, 2, 4): for sampling greedy rows and random ones
     # with or without top-k and top-p, with or without logprobs, and the raw
     # logprobs before the rules; the rules at widths 1 and 1 + K, and for
-    # rejection sampling greedy, random and truncated rows; the token
-    # table's: a forward's ids per token count, a prefix-cache hit's tokens,
-    # accepted tokens at widths 1 and 1 + K, the drafts; its reads.
+    # rejection sampling greedy, random and truncated rows; a verify step's
+    # queries at widths 1 and 1 + K (one KV cache group); the token table's:
+    # a forward's ids per token count, a prefix-cache hit's tokens, accepted
+    # tokens at widths 1 and 1 + K, the drafts; its reads.
     assert before["program_shapes"] == {
         "sample_rows": 30,
         "raw_scores": 3,
@@ -80,6 +81,7 @@ def test_compiled_serves_stock_tokens_without_compiling(
         "mask_min_tokens": 6,
         "add_logit_bias": 6,
         "penalize_queries": 6,
+        "rectangle_queries": 6,
         "forward_ids": len(declared),
         "write_prefix": 3,
         "accept_tokens": 6,
@@ -100,6 +102,7 @@ def test_compiled_serves_stock_tokens_without_compiling(
     for rule in ("mask_tokens", "mask_bad_words", "mask_min_tokens"):
         assert calls[rule] > 0, calls
     assert calls["penalize_queries"] > 0
+    assert calls["rectangle_queries"] > 0  # every verify step's queries
     # The token table is read and written in its programs only.
     for table_program in ("forward_ids", "accept_tokens", "set_drafts", "read_drafts"):
         assert calls[table_program] > 0, calls

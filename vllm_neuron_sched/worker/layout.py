@@ -25,8 +25,9 @@ Everything returned is freshly allocated: the device may still run the
 previous step while the host lays out this one (the ownership rule).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -72,16 +73,20 @@ def block_tables(batch: "InputBatch", num_rows: int) -> BlockTables:
 
 @dataclass(frozen=True)
 class Sequences:
-    """A step's queries as attention sequences."""
+    """A step's queries as attention sequences, and their KV slots."""
 
     positions: torch.Tensor  # [num_tokens_padded] int64
-    seq_of_query: torch.Tensor  # [num_tokens_padded] int64 (padding: any)
-    writes_kv: torch.Tensor  # [num_tokens_padded] bool
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     num_actual_tokens: int  # the queries attention runs (a prefix)
     max_query_len: int
+    # Every sequence's length is at most this: the longest's on the host, a
+    # bound fixed at start-up on the device (no host read, section 9).
     max_seq_len: int
+    # KV cache group id -> the block table of every sequence and position
+    # ([num_seqs, columns]) and each query's KV slot ([num_tokens_padded]:
+    # ``NO_KV_SLOT`` where it writes none).
+    kv_slots: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
     def model_positions(self, max_model_len: int) -> torch.Tensor:
         """The positions the model runs: padded queries of a rectangle may
@@ -92,17 +97,13 @@ class Sequences:
         return self.positions.clamp(max=max_model_len - 1)
 
     def attention(
-        self, groups: "list[AttentionGroup]", tables: BlockTables
+        self, groups: "list[AttentionGroup]"
     ) -> "tuple[AttentionInputs, dict[str, torch.Tensor]]":
         """Per attention group, the plain metadata; per layer, the KV slots."""
         attn_inputs: AttentionInputs = []
         slot_mapping: dict[str, torch.Tensor] = {}
-        of_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for group in groups:
-            group_id = group.kv_cache_group_id
-            if group_id not in of_group:
-                of_group[group_id] = self._slots(tables[group_id])
-            block_table, kv_slots = of_group[group_id]
+            block_table, kv_slots = self.kv_slots[group.kv_cache_group_id]
             common = CommonAttentionMetadata(
                 query_start_loc=self.query_start_loc,
                 query_start_loc_cpu=self.query_start_loc,
@@ -120,49 +121,97 @@ class Sequences:
                 slot_mapping[layer_name] = kv_slots
         return attn_inputs, slot_mapping
 
-    def _slots(self, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
-        """The table for every sequence and position (widened with the null
-        block where it falls short), and each query's KV slot: none where
-        ``writes_kv`` is False or the block is the null block 0 (the table
-        does not hold that position yet)."""
-        block_size, rows = table.block_size, table.rows
-        num_seqs = len(self.seq_lens)
-        columns = max(rows.shape[1], cdiv(self.max_seq_len, block_size))
-        if len(rows) >= num_seqs and columns == rows.shape[1]:
-            block_table = rows[:num_seqs]  # already the step's own copy
-        else:
-            block_table = torch.zeros((num_seqs, columns), dtype=rows.dtype)
-            num_real = min(num_seqs, len(rows))
-            block_table[:num_real, : rows.shape[1]] = rows[:num_real]
-        block = block_table[self.seq_of_query, self.positions // block_size]
-        kv_slots = torch.add(self.positions % block_size, block, alpha=block_size)
-        kv_slots.masked_fill_(~self.writes_kv | (block == 0), NO_KV_SLOT)
-        return block_table, kv_slots
+
+def step_table(table: BlockTable, num_seqs: int, columns: int) -> torch.Tensor:
+    """The table of a step's ``num_seqs`` sequences at ``columns``: the
+    rows it has (``table.rows`` is already the step's own copy), the null
+    block 0 past them and past their columns."""
+    rows = table.rows
+    if len(rows) >= num_seqs and columns == rows.shape[1]:
+        return rows[:num_seqs]
+    block_table = torch.zeros((num_seqs, columns), dtype=rows.dtype)
+    num_real, num_columns = min(num_seqs, len(rows)), min(columns, rows.shape[1])
+    block_table[:num_real, :num_columns] = rows[:num_real, :num_columns]
+    return block_table
+
+
+def kv_slots_of(
+    positions: torch.Tensor,
+    block: torch.Tensor,
+    writes_kv: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Each query's KV slot in its ``block``: none where it writes no KV or
+    the block is the null block 0 (the table does not hold that position
+    yet)."""
+    kv_slots = torch.add(positions % block_size, block, alpha=block_size)
+    return kv_slots.masked_fill(~writes_kv | (block == 0), NO_KV_SLOT)
+
+
+def rectangle_queries(
+    starts: torch.Tensor,
+    num_real: torch.Tensor,
+    block_table: torch.Tensor,
+    width: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A program (``worker/programs.py``): ``[rows, width]`` queries, row i
+    at positions ``starts[i]`` on, its first ``num_real[i]`` real; each
+    query's KV slot from its row's ``block_table`` (``[rows, columns]``, past
+    every position), and each row's sequence length. A padded row (start 0,
+    no real query, null blocks) sits at ``0 .. width - 1`` and writes no KV."""
+    offsets = torch.arange(width, device=starts.device)
+    positions = starts[:, None] + offsets
+    writes_kv = offsets < num_real[:, None]
+    block = block_table.gather(1, positions // block_size)
+    kv_slots = kv_slots_of(positions, block, writes_kv, block_size)
+    return positions, kv_slots, (positions[:, -1] + 1).to(torch.int32)
 
 
 def rectangle(
-    num_rows_padded: int, width: int, starts: torch.Tensor, num_real: torch.Tensor
+    num_rows_padded: int,
+    width: int,
+    starts: torch.Tensor,
+    num_real: torch.Tensor,
+    tables: BlockTables,
+    max_seq_len: int,
+    queries: Callable[..., Any] = rectangle_queries,
 ) -> Sequences:
     """``[num_rows_padded, width]`` queries: row i (of ``len(starts)``) at
-    positions ``starts[i]`` on, its first ``num_real[i]`` queries real."""
-    rows = len(starts)
-    offsets = torch.arange(width, dtype=torch.int64)
-    positions = offsets.repeat(num_rows_padded, 1)
-    positions[:rows] += starts[:, None]
-    writes_kv = torch.zeros((num_rows_padded, width), dtype=torch.bool)
-    writes_kv[:rows] = offsets[None, :] < num_real[:, None]
-    seq_lens = (positions[:, -1] + 1).to(torch.int32)
+    positions ``starts[i]`` on, its first ``num_real[i]`` queries real;
+    ``max_seq_len`` bounds every row's ``start + width``. On the device
+    ``queries`` is the step's program (``Programs.rectangle_queries``), run
+    at the decode bucket: the rows past ``len(starts)`` enter as padding."""
+    starts = _zero_rows(starts, num_rows_padded)
+    num_real = _zero_rows(num_real, num_rows_padded)
+    kv_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for group_id, table in tables.items():
+        columns = cdiv(max_seq_len, table.block_size)
+        block_table = step_table(table, num_rows_padded, columns)
+        # The positions and lengths are the same for every group.
+        positions, slots, seq_lens = queries(
+            starts, num_real, block_table, width, table.block_size
+        )
+        kv_slots[group_id] = (block_table, slots.flatten())
     num_tokens = num_rows_padded * width
     return Sequences(
         positions=positions.flatten(),
-        seq_of_query=torch.arange(num_rows_padded).repeat_interleave(width),
-        writes_kv=writes_kv.flatten(),
         query_start_loc=torch.arange(0, num_tokens + 1, width, dtype=torch.int32),
         seq_lens=seq_lens,
         num_actual_tokens=num_tokens,
         max_query_len=width,
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max_seq_len,
+        kv_slots=kv_slots,
     )
+
+
+def _zero_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """``values`` then zeros, to ``rows`` rows."""
+    if len(values) == rows:
+        return values
+    padded = values.new_zeros(rows)
+    padded[: len(values)] = values
+    return padded
 
 
 @dataclass(frozen=True)
@@ -200,11 +249,14 @@ class Layout:
     ) -> "Layout":
         """``shape``: a declared prefill shape, packed or rectangular, or a
         token count the rows are packed into (decode and mixed steps)."""
+        tables = block_tables(batch, len(num_scheduled))
         if isinstance(shape, int) or shape.packed:
             size = shape if isinstance(shape, int) else shape.size
             offsets = np.cumsum(num_scheduled) - num_scheduled
             tokens = Tokens.of(num_scheduled, num_computed, offsets)
-            sequences = _packed(num_scheduled, num_computed, offsets, tokens, size)
+            sequences = _packed(
+                num_scheduled, num_computed, offsets, tokens, size, tables
+            )
         else:
             size = shape.size
             offsets = np.arange(len(num_scheduled), dtype=np.int64) * shape.tokens
@@ -214,9 +266,10 @@ class Layout:
                 shape.tokens,
                 torch.from_numpy(num_computed),
                 torch.from_numpy(num_scheduled),
+                tables,
+                int(num_computed.max()) + shape.tokens,
             )
-        tables = block_tables(batch, len(num_scheduled))
-        attn_inputs, slot_mapping = sequences.attention(groups, tables)
+        attn_inputs, slot_mapping = sequences.attention(groups)
         return cls(
             num_scheduled,
             offsets,
@@ -236,6 +289,7 @@ def _packed(
     offsets: np.ndarray,
     tokens: "Tokens",
     num_padded: int,
+    tables: BlockTables,
 ) -> Sequences:
     """Rows back to back, the padding at position 0 of row 0, writing no KV."""
     num_tokens = len(tokens.positions)
@@ -246,15 +300,26 @@ def _packed(
     query_start_loc = np.zeros(len(num_scheduled) + 1, dtype=np.int32)
     query_start_loc[1:] = offsets + num_scheduled
     seq_lens = (num_computed + num_scheduled).astype(np.int32)
+    max_seq_len = int(seq_lens.max())
+    query_positions = torch.from_numpy(positions)
+    query_seqs = torch.from_numpy(seq_of_query)
+    writes_kv = torch.from_numpy(np.arange(num_padded) < num_tokens)
+    kv_slots = {}
+    for group_id, table in tables.items():
+        block_size = table.block_size
+        columns = max(table.rows.shape[1], cdiv(max_seq_len, block_size))
+        block_table = step_table(table, len(seq_lens), columns)
+        block = block_table[query_seqs, query_positions // block_size]
+        slots = kv_slots_of(query_positions, block, writes_kv, block_size)
+        kv_slots[group_id] = (block_table, slots)
     return Sequences(
-        positions=torch.from_numpy(positions),
-        seq_of_query=torch.from_numpy(seq_of_query),
-        writes_kv=torch.from_numpy(np.arange(num_padded) < num_tokens),
+        positions=query_positions,
         query_start_loc=torch.from_numpy(query_start_loc),
         seq_lens=torch.from_numpy(seq_lens),
         num_actual_tokens=num_tokens,
         max_query_len=int(num_scheduled.max()),
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max_seq_len,
+        kv_slots=kv_slots,
     )
 
 

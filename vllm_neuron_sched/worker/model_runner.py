@@ -386,6 +386,9 @@ class NeuronSchedModelRunner:
                 min_n=spec.min_n if is_ngram else 0,
                 max_n=spec.max_n if is_ngram else 0,
                 max_model_len=spec.max_model_len,
+                # Before the KV cache exists: the cache config's, every
+                # group's (attention layers only, ``kv_cache.py``).
+                block_sizes=(self.vllm_config.cache_config.block_size,),
             )
         programs = compile_programs(
             dims,
@@ -396,6 +399,8 @@ class NeuronSchedModelRunner:
         self.ctx.programs = self.ctx.token_table.programs = programs
         if is_ngram:
             self.ctx.proposer = replace(self.ctx.proposer, programs=programs)
+        elif self.draft is not None:
+            self.draft.programs = programs
 
     @property
     def max_model_len(self) -> int:

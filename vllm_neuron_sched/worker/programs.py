@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.utils.math_utils import cdiv
 
 from vllm_neuron_sched.worker.history_rules import (
     BadWords,
     mask_bad_words,
     penalize_queries,
 )
+from vllm_neuron_sched.worker.layout import rectangle_queries
 from vllm_neuron_sched.worker.logits_rules import (
     add_logit_bias,
     mask_min_tokens,
@@ -58,6 +60,7 @@ class Dimensions:
     max_model_len: int = 1
     # The bad words per row, (words, tokens): vLLM's limits per request.
     bad_words: tuple[int, int] = (1, 1)
+    block_sizes: tuple[int, ...] = ()  # the KV cache groups'
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -245,6 +248,20 @@ def _bad_words_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
         )
 
 
+def _rectangle_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """A verify step's queries and a draft model's proposal forwards, at
+    each width and block size: none without speculative decoding. The
+    block tables reach the token table's width (every position a token can
+    take), the sequences' bound."""
+    if not dims.num_drafts:
+        return
+    for rows, width in _per_query(dims):
+        for block_size in dims.block_sizes:
+            columns = cdiv(dims.history_len, block_size)
+            table = torch.zeros(rows, columns, dtype=torch.int32)
+            yield _rows_of(rows), _rows_of(rows), table, width, block_size
+
+
 def _table(dims: Dimensions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The token table's tensors as ``DeviceTokens`` makes them (not
     inference tensors): its newest tokens, its histories and their lengths."""
@@ -319,6 +336,7 @@ PROGRAMS: tuple[Program, ...] = (
     Program("mask_min_tokens", mask_min_tokens, _min_tokens_examples),
     Program("add_logit_bias", add_logit_bias, _logit_bias_examples),
     Program("penalize_queries", penalize_queries, _penalties_examples),
+    Program("rectangle_queries", rectangle_queries, _rectangle_examples),
     Program("forward_ids", forward_ids, _forward_ids_examples, 2, "tokens"),
     Program("write_prefix", write_prefix, _write_prefix_examples, 1),
     Program("accept_tokens", accept_tokens, _accept_tokens_examples, 3),
@@ -343,6 +361,7 @@ class Programs:
     mask_min_tokens: Callable[..., Any] = mask_min_tokens
     add_logit_bias: Callable[..., Any] = add_logit_bias
     penalize_queries: Callable[..., Any] = penalize_queries
+    rectangle_queries: Callable[..., Any] = rectangle_queries
     forward_ids: Callable[..., Any] = forward_ids
     write_prefix: Callable[..., Any] = write_prefix
     accept_tokens: Callable[..., Any] = accept_tokens

@@ -223,6 +223,7 @@ DIMS = Dimensions(
     max_n=3,
     max_model_len=40,
     bad_words=BAD_WORDS_SHAPE,
+    block_sizes=(16, 32),  # two KV cache groups
 )
 EAGER_BACKEND = {"fullgraph": True, "dynamic": False, "backend": "eager"}
 

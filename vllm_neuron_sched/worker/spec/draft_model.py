@@ -31,7 +31,8 @@ from vllm.model_executor.model_loader import get_model
 
 from vllm_neuron_sched.worker.device_forward import run_model
 from vllm_neuron_sched.worker.kv_cache import DRAFT_PREFIX
-from vllm_neuron_sched.worker.layout import BlockTables, Sequences, rectangle
+from vllm_neuron_sched.worker.layout import Sequences, rectangle
+from vllm_neuron_sched.worker.programs import EAGER, Programs
 from vllm_neuron_sched.worker.spec.config import Speculation
 from vllm_neuron_sched.worker.spec.proposer import AcceptedTokens
 
@@ -58,6 +59,8 @@ class DraftModel:
         self.buckets = buckets
         self.model: Any = None
         self.groups: list[AttentionGroup] = []
+        # Compiled per declared shape on the compiled device (the runner's).
+        self.programs: Programs = EAGER
 
     def load(self) -> None:
         """The draft with its own model config and parallel layout, registered
@@ -128,12 +131,25 @@ class DraftModel:
         rows, width = accepted.tokens.shape
         num_rows = self.buckets.pad_decode(rows)
         counts = accepted.counts
+
+        def queries(width: int, starts: torch.Tensor, real: torch.Tensor) -> Sequences:
+            """Every position is below the token table's width (the bound)."""
+            return rectangle(
+                num_rows,
+                width,
+                starts,
+                real,
+                accepted.tables,
+                tokens.history_len,
+                self.programs.rectangle_queries,
+            )
+
         # The ingest: the tokens just added, their last real query's logits.
         ids = torch.zeros((num_rows, width), dtype=torch.int32)
         ids[:rows] = accepted.tokens.clamp(min=0)
-        ingest = rectangle(num_rows, width, accepted.starts, counts)
+        ingest = queries(width, accepted.starts, counts)
         last = torch.arange(rows) * width + (counts - 1).clamp(min=0)
-        drafts = [self._greedy(ids, ingest, accepted.tables, last)]
+        drafts = [self._greedy(ids, ingest, last)]
         # Drafts 2..K, each fed the one before, one query per row.
         known = accepted.starts + counts  # tokens known after the ingest
         real_rows = counts > 0
@@ -143,8 +159,8 @@ class DraftModel:
             ids = torch.zeros((num_rows, 1), dtype=torch.int32)
             ids[:rows, 0] = drafts[-1]
             is_real = real_rows & (position < self.speculation.max_model_len)
-            step = rectangle(num_rows, 1, position, is_real.long())
-            drafts.append(self._greedy(ids, step, accepted.tables, real))
+            step = queries(1, position, is_real.long())
+            drafts.append(self._greedy(ids, step, real))
         # As many drafts as fit before max_model_len (the n-gram rule).
         limit = (self.speculation.max_model_len - known).clamp(
             min=0, max=self.num_tokens
@@ -156,20 +172,14 @@ class DraftModel:
         )
 
     def _greedy(
-        self,
-        ids: torch.Tensor,
-        sequences: Sequences,
-        tables: BlockTables,
-        select: torch.Tensor,
+        self, ids: torch.Tensor, sequences: Sequences, select: torch.Tensor
     ) -> torch.Tensor:
         """The draft's greedy token after each ``select``-ed query of a
         ``[rows, width]`` step (indices into its flattened queries)."""
-        attn_inputs, slot_mapping = sequences.attention(self.groups, tables)
         hidden_states = self._run(
             ids.flatten(),
             sequences.model_positions(self.speculation.max_model_len),
-            attn_inputs,
-            slot_mapping,
+            *sequences.attention(self.groups),
             ids.numel(),
         )
         return self.model.compute_logits(hidden_states[select]).argmax(dim=-1)

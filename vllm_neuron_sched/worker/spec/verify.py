@@ -55,7 +55,6 @@ if TYPE_CHECKING:
         PromptLogprobsJob,
         StepUpdate,
     )
-    from vllm_neuron_sched.worker.layout import AttentionInputs
     from vllm_neuron_sched.worker.programs import Programs
     from vllm_neuron_sched.worker.sampling_state import SamplingState
     from vllm_neuron_sched.worker.steps import StepContext, StepRows
@@ -117,17 +116,18 @@ class VerifyInputs:
 
     input_ids: torch.Tensor  # [num_tokens_padded] int32
     sequences: Sequences
-    slot_mapping: dict[str, torch.Tensor]
-    attn_inputs: "AttentionInputs"
     num_drafts: torch.Tensor  # [num_rows] drafts each row verifies
     starts: torch.Tensor  # [num_rows] where each row's new tokens go
     drafts: torch.Tensor  # [num_rows, K] int32: the drafts it verifies
 
 
-def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs:
+def complete_on_device(
+    plan: VerifyPlan, tokens: "DeviceTokens", programs: "Programs"
+) -> VerifyInputs:
     """Device side: row i's queries are a rectangle's row (``layout.py``):
     the newest token at position ``length - 1``, then the drafts. Queries
-    past a row's drafts, and padded rows, write no KV and are never sampled."""
+    past a row's drafts, and padded rows, write no KV and are never sampled.
+    Every position is below the token table's width, the sequences' bound."""
     rows, width = plan.num_rows, plan.width
     read = tokens.drafts_of(plan.slots)
     num_drafts = torch.minimum(read.counts, plan.scheduled_drafts)
@@ -136,13 +136,18 @@ def complete_on_device(plan: VerifyPlan, tokens: "DeviceTokens") -> VerifyInputs
     ids = torch.zeros((plan.num_rows_padded, width), dtype=torch.int32)
     ids[:rows, 0] = read.newest
     ids[:rows, 1:] = read.drafts[:, : width - 1]
-    sequences = rectangle(plan.num_rows_padded, width, read.lengths - 1, 1 + num_drafts)
-    attn_inputs, slot_mapping = sequences.attention(plan.groups, plan.tables)
+    sequences = rectangle(
+        plan.num_rows_padded,
+        width,
+        read.lengths - 1,
+        1 + num_drafts,
+        plan.tables,
+        tokens.history_len,
+        programs.rectangle_queries,
+    )
     return VerifyInputs(
         input_ids=ids.flatten(),
         sequences=sequences,
-        slot_mapping=slot_mapping,
-        attn_inputs=attn_inputs,
         num_drafts=num_drafts,
         starts=read.lengths,
         drafts=read.drafts,
@@ -327,7 +332,7 @@ def _verify_forward_on_device(
     adapters, then the model at ``[decode bucket, 1 + K]``, logits of every
     real row's queries."""
     with torch.inference_mode():
-        inputs = complete_on_device(plan, ctx.token_table)
+        inputs = complete_on_device(plan, ctx.token_table, ctx.programs)
         if adapters is not None:
             assert ctx.lora is not None
             ctx.lora.activate(adapters)
@@ -336,8 +341,7 @@ def _verify_forward_on_device(
             ctx.vllm_config,
             inputs.input_ids,
             inputs.sequences.model_positions(ctx.max_model_len),
-            inputs.attn_inputs,
-            inputs.slot_mapping,
+            *inputs.sequences.attention(plan.groups),
             plan.num_tokens_padded,
         )
         num_real = plan.num_rows * plan.width
