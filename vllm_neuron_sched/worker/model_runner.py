@@ -86,7 +86,7 @@ from vllm_neuron_sched.worker.pipeline import (
     Stage,
     empty_hidden,
 )
-from vllm_neuron_sched.worker.programs import Dimensions
+from vllm_neuron_sched.worker.programs import Dimensions, StageShapes
 from vllm_neuron_sched.worker.results import DraftedOutput
 from vllm_neuron_sched.worker.sampling import noise_dtype
 from vllm_neuron_sched.worker.sampling_state import SamplingState
@@ -389,6 +389,23 @@ class NeuronSchedModelRunner:
                 # Before the KV cache exists: the cache config's, every
                 # group's (attention layers only, ``kv_cache.py``).
                 block_sizes=(self.vllm_config.cache_config.block_size,),
+            )
+        stage = self.ctx.stage
+        if isinstance(stage, PipelineStage):
+            hidden = empty_hidden(self.model, 1).tensors
+            dims = replace(
+                dims,
+                stage=StageShapes(
+                    stage.name,
+                    stage.is_first,
+                    stage.is_last,
+                    tuple(
+                        dict.fromkeys(
+                            (tuple(tensor.shape[1:]), tensor.dtype)
+                            for _, tensor in sorted(hidden.items())
+                        )
+                    ),
+                ),
             )
         programs = compile_programs(
             dims,

@@ -30,6 +30,11 @@ from vllm_neuron_sched.worker.logits_rules import (
     mask_min_tokens,
     mask_tokens,
 )
+from vllm_neuron_sched.worker.pipeline import (
+    receive_hidden,
+    send_hidden,
+    share_tokens,
+)
 from vllm_neuron_sched.worker.sampling import Draws, raw_scores, sample_rows
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
 from vllm_neuron_sched.worker.spec.rejection import Randomness, accept_drafts
@@ -41,6 +46,17 @@ from vllm_neuron_sched.worker.token_table import (
     set_drafts,
     write_prefix,
 )
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """A pipeline stage's place, and what crosses to the next: each
+    intermediate tensor's shape past the tokens, and its dtype."""
+
+    group_name: str  # the pipeline group's (``PipelineStage.name``)
+    is_first: bool
+    is_last: bool
+    hidden: tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,7 @@ class Dimensions:
     # The bad words per row, (words, tokens): vLLM's limits per request.
     bad_words: tuple[int, int] = (1, 1)
     block_sizes: tuple[int, ...] = ()  # the KV cache groups'
+    stage: StageShapes | None = None  # None: no pipeline stages
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -326,6 +343,35 @@ def _read_drafts_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
         yield table, lengths, *_drafts(dims), _rows_of(rows)
 
 
+def _stage_hidden_examples(
+    dims: Dimensions, is_sent: bool
+) -> Iterator[tuple[Any, ...]]:
+    """At each token count the forward declares: a stage after the first
+    receives, one before the last sends."""
+    stage = dims.stage
+    if stage is None or (stage.is_last if is_sent else stage.is_first):
+        return
+    for tokens in dims.tokens:
+        for shape, dtype in stage.hidden:
+            yield torch.zeros(tokens, *shape, dtype=dtype), stage.group_name
+
+
+def _receive_hidden_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    return _stage_hidden_examples(dims, is_sent=False)
+
+
+def _send_hidden_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    return _stage_hidden_examples(dims, is_sent=True)
+
+
+def _share_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """Every stage, at the decode buckets: a step's sampled tokens."""
+    if dims.stage is None:
+        return
+    for rows in dims.rows:
+        yield _rows_of(rows, torch.int32), dims.stage.group_name
+
+
 PROGRAMS: tuple[Program, ...] = (
     Program("sample_rows", sample_rows, _sample_rows_examples),
     Program("raw_scores", raw_scores, _raw_scores_examples),
@@ -343,6 +389,12 @@ PROGRAMS: tuple[Program, ...] = (
     Program("set_drafts", set_drafts, _set_drafts_examples, 2),
     Program("read_histories", read_histories, _read_histories_examples, 2),
     Program("read_drafts", read_drafts, _read_drafts_examples, 4),
+    # The transfers last, and in this order on every stage, so that the
+    # compiled device's warm-up pairs them up across ranks: the broadcast
+    # (every stage), then each stage's receives before its sends.
+    Program("share_tokens", share_tokens, _share_tokens_examples),
+    Program("receive_hidden", receive_hidden, _receive_hidden_examples, 0, "tokens"),
+    Program("send_hidden", send_hidden, _send_hidden_examples, 0, "tokens"),
 )
 
 
@@ -368,6 +420,9 @@ class Programs:
     set_drafts: Callable[..., Any] = set_drafts
     read_histories: Callable[..., Any] = read_histories
     read_drafts: Callable[..., Any] = read_drafts
+    share_tokens: Callable[..., Any] = share_tokens
+    receive_hidden: Callable[..., Any] = receive_hidden
+    send_hidden: Callable[..., Any] = send_hidden
     bad_words_shape: tuple[int, int] | None = None
 
 

@@ -386,7 +386,7 @@ class TokensStep:
                 ctx.lora.activate(self.adapters)
             hidden_states = self.run_model_on_device(ctx)
             if not ctx.stage.is_last:
-                ctx.stage.send_hidden(hidden_states)
+                ctx.stage.send_hidden(hidden_states, ctx.programs)
                 return None
             logprobs_mode = ctx.vllm_config.model_config.logprobs_mode
             for row, *job in prompt_logprobs_jobs:
@@ -414,7 +414,7 @@ class TokensStep:
             layout.attn_inputs,
             layout.slot_mapping,
             layout.num_tokens_padded,
-            ctx.stage.receive_hidden(ctx.model, layout.num_tokens_padded),
+            ctx.stage.receive_hidden(ctx.model, layout.num_tokens_padded, ctx.programs),
         )
 
     def sample_on_device(
@@ -431,7 +431,8 @@ class TokensStep:
         inputs = self.inputs
         if not ctx.stage.is_last:
             tokens = ctx.stage.share_tokens(
-                torch.empty(inputs.sample_slots.shape, dtype=torch.int32)
+                torch.empty(inputs.sample_slots.shape, dtype=torch.int32),
+                ctx.programs,
             )
             ctx.token_table.accept_sampled(
                 inputs.sample_slots, inputs.next_positions, tokens
@@ -449,7 +450,7 @@ class TokensStep:
             grammar,
             draws,
         )
-        ctx.stage.share_tokens(sampled.tokens)
+        ctx.stage.share_tokens(sampled.tokens, ctx.programs)
         return sampled
 
 
