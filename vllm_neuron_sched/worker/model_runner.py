@@ -359,10 +359,10 @@ class NeuronSchedModelRunner:
         self, spec: Speculation | None, sizes: tuple[int, ...], on_device: Any
     ) -> None:
         """The programs around the forward (sampling, penalties and bad
-        words; with speculation the verify step's and the n-gram proposal)
-        compiled per decode bucket, and the token table's (per decode bucket,
-        and the forward's ids per token count: ``sizes``), in place of the
-        eager ones."""
+        words; with speculation the verify step's, its queries and the
+        n-gram proposal) compiled per decode bucket, the token table's (per
+        decode bucket, and the forward's ids per token count: ``sizes``),
+        and a pipeline stage's transfers, in place of the eager ones."""
         is_ngram = isinstance(self.ctx.proposer, NgramProposer)
         dims = Dimensions(
             rows=self.ctx.buckets.decode,
