@@ -390,23 +390,8 @@ class NeuronSchedModelRunner:
                 # group's (attention layers only, ``kv_cache.py``).
                 block_sizes=(self.vllm_config.cache_config.block_size,),
             )
-        stage = self.ctx.stage
-        if isinstance(stage, PipelineStage):
-            hidden = empty_hidden(self.model, 1).tensors
-            dims = replace(
-                dims,
-                stage=StageShapes(
-                    stage.name,
-                    stage.is_first,
-                    stage.is_last,
-                    tuple(
-                        dict.fromkeys(
-                            (tuple(tensor.shape[1:]), tensor.dtype)
-                            for _, tensor in sorted(hidden.items())
-                        )
-                    ),
-                ),
-            )
+        if isinstance(self.ctx.stage, PipelineStage):
+            dims = replace(dims, stage=StageShapes.of(self.ctx.stage, self.model))
         programs = compile_programs(
             dims,
             compile_options(self.vllm_config),

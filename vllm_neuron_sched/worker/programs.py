@@ -31,6 +31,8 @@ from vllm_neuron_sched.worker.logits_rules import (
     mask_tokens,
 )
 from vllm_neuron_sched.worker.pipeline import (
+    PipelineStage,
+    empty_hidden,
     receive_hidden,
     send_hidden,
     share_tokens,
@@ -57,6 +59,17 @@ class StageShapes:
     is_first: bool
     is_last: bool
     hidden: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+    @classmethod
+    def of(cls, stage: PipelineStage, model: Any) -> "StageShapes":
+        """The stage's, with ``model``'s intermediate tensors (each distinct
+        shape and dtype once: one graph serves them all)."""
+        tensors = empty_hidden(model, 1).tensors
+        hidden = dict.fromkeys(
+            (tuple(tensor.shape[1:]), tensor.dtype)
+            for _, tensor in sorted(tensors.items())
+        )
+        return cls(stage.name, stage.is_first, stage.is_last, tuple(hidden))
 
 
 @dataclass(frozen=True)
