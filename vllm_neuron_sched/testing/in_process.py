@@ -37,9 +37,15 @@ def in_process() -> Iterator[None]:
 @contextmanager
 def in_process_llm(model: str, **engine_kwargs: Any) -> Iterator[Any]:
     """An ``LLM`` run in this process, shut down (its KV cache freed) when
-    the block ends."""
+    the block ends. vLLM's multiprocessing executor sets this process's
+    torch threads to 1 for good (``set_torch_threads_for_runtime``: its
+    engine core only schedules); restored, or a later engine whose worker
+    runs in this process would run its attention with fewer threads than
+    its metadata was built for (``cpu_attn``: ``thread_num (2 vs. 1)``)."""
+    import torch
     from vllm import LLM
 
+    num_threads = torch.get_num_threads()
     with in_process():
         llm = LLM(model=model, **engine_kwargs)
     try:
@@ -49,6 +55,8 @@ def in_process_llm(model: str, **engine_kwargs: Any) -> Iterator[Any]:
         _unpin_executor(llm)
         del llm
         gc.collect()
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
 
 
 def _unpin_executor(llm: Any) -> None:
