@@ -122,16 +122,19 @@ class Sequences:
         return attn_inputs, slot_mapping
 
 
-def step_table(table: BlockTable, num_seqs: int, columns: int) -> torch.Tensor:
-    """The table of a step's ``num_seqs`` sequences at ``columns``: the
-    rows it has (``table.rows`` is already the step's own copy), the null
-    block 0 past them and past their columns."""
+def step_table(table: BlockTable, num_seqs: int, max_seq_len: int) -> torch.Tensor:
+    """The table of a step's ``num_seqs`` sequences, for every position
+    below ``max_seq_len``: the rows it has (``table.rows`` is already the
+    step's own copy), widened and padded with the null block 0. On the
+    device ``max_seq_len`` is the token table's width, past the input
+    batch's columns: a fixed shape."""
     rows = table.rows
+    columns = max(rows.shape[1], cdiv(max_seq_len, table.block_size))
     if len(rows) >= num_seqs and columns == rows.shape[1]:
         return rows[:num_seqs]
     block_table = torch.zeros((num_seqs, columns), dtype=rows.dtype)
-    num_real, num_columns = min(num_seqs, len(rows)), min(columns, rows.shape[1])
-    block_table[:num_real, :num_columns] = rows[:num_real, :num_columns]
+    num_real = min(num_seqs, len(rows))
+    block_table[:num_real, : rows.shape[1]] = rows[:num_real]
     return block_table
 
 
@@ -186,8 +189,7 @@ def rectangle(
     num_real = _zero_rows(num_real, num_rows_padded)
     kv_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for group_id, table in tables.items():
-        columns = cdiv(max_seq_len, table.block_size)
-        block_table = step_table(table, num_rows_padded, columns)
+        block_table = step_table(table, num_rows_padded, max_seq_len)
         # The positions and lengths are the same for every group.
         positions, slots, seq_lens = queries(
             starts, num_real, block_table, width, table.block_size
@@ -307,8 +309,7 @@ def _packed(
     kv_slots = {}
     for group_id, table in tables.items():
         block_size = table.block_size
-        columns = max(table.rows.shape[1], cdiv(max_seq_len, block_size))
-        block_table = step_table(table, len(seq_lens), columns)
+        block_table = step_table(table, len(seq_lens), max_seq_len)
         block = block_table[query_seqs, query_positions // block_size]
         slots = kv_slots_of(query_positions, block, writes_kv, block_size)
         kv_slots[group_id] = (block_table, slots)
