@@ -2,21 +2,27 @@
 
 vLLM resolves its platform once per process, so stock vLLM
 (``VLLM_NEURON_SCHED_DISABLE=1``) and our platform can only be compared across
-processes. The child prints one JSON line with token ids (and logprobs).
-Results are kept for the life of the calling process: the same prompts,
-sampling, engine and environment give the same tokens, so test modules that
-ask for the same oracle start one engine between them. A run can be started
-ahead (``start_in_subprocess``): a child is mostly one core's work (imports,
-loading, a short generation), so it overlaps the engine or server a test
-starts meanwhile.
+processes. A child takes one JSON spec per line and prints one JSON line of
+token ids (and logprobs) per spec. Results are kept for the life of the
+calling process: the same prompts, sampling, engine and environment give the
+same tokens, so test modules that ask for the same oracle start one engine
+between them. Children are kept too, one or two per environment: importing
+vLLM costs a child about 10 s of a core, its engines seconds each (they run
+in the child itself, ``in_process_llm``). A run can be started ahead
+(``start_in_subprocess``): a child is mostly one core's work, so it overlaps
+the engine or server a test starts meanwhile.
 """
 
+import atexit
 import copy
 import json
 import math
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +32,8 @@ from vllm_neuron_sched.metrics import METRICS_DIR_ENV
 _MARKER = "NEURON_SCHED_RESULT:"
 _runs: dict[str, Future[list[dict[str, Any]]]] = {}
 _children = ThreadPoolExecutor(max_workers=2, thread_name_prefix="oracle")
+# Idle children kept at most (each holds a vLLM import, about 1 GiB).
+_MAX_IDLE_CHILDREN = 4
 # Variables set in a process that starts an engine in-process (tests do), by
 # vLLM or by our platform (its counters' directory): a child sets its own when
 # its engine starts, they do not change its tokens, so the oracle cache must
@@ -83,10 +91,94 @@ def start_in_subprocess(
     return _start(spec, env, timeout_s)
 
 
+class _Child:
+    """A child process that runs specs one after the other, for one
+    environment (vLLM reads it once per process)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the child exited
+
+    def run(self, spec: dict[str, Any], timeout_s: float) -> Any:
+        """The spec's result; raises with the child's error lines if it
+        fails (the child exits then) or takes over ``timeout_s``."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        output: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                self.close()
+                raise TimeoutError(f"oracle child took over {timeout_s} s") from None
+            if line is None:
+                text = "".join(output)
+                raise RuntimeError(
+                    f"oracle child failed (rc {self.proc.wait()}):\n"
+                    + error_lines(text)
+                    + f"\n--- output tail ---\n{text[-6000:]}"
+                )
+            if line.startswith(_MARKER):
+                return json.loads(line[len(_MARKER) :])
+            output.append(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+_idle: dict[str, list[_Child]] = {}  # environment key -> children, oldest first
+_idle_lock = threading.Lock()
+
+
 def _run_child(
-    spec: dict[str, Any], env: dict[str, str], timeout_s: float
+    spec: dict[str, Any], env: dict[str, str], env_key: str, timeout_s: float
 ) -> list[dict[str, Any]]:
-    return run_json_child(["-m", __name__], spec, env, _MARKER, timeout_s)
+    """On an idle child of the environment, or a new one; kept afterwards
+    unless it failed (the oldest idle ones beyond ``_MAX_IDLE_CHILDREN``
+    go)."""
+    with _idle_lock:
+        kept = _idle.get(env_key)
+        child = kept.pop() if kept else None
+    child = child or _Child(env)
+    try:
+        result = child.run(spec, timeout_s)
+    except BaseException:
+        child.close()
+        raise
+    with _idle_lock:
+        _idle.setdefault(env_key, []).append(child)
+        idle = [(c, key) for key, cs in _idle.items() for c in cs]
+        for old, key in idle[: max(len(idle) - _MAX_IDLE_CHILDREN, 0)]:
+            _idle[key].remove(old)
+            old.close()
+    return result
+
+
+@atexit.register
+def _close_children() -> None:
+    with _idle_lock:
+        for children in _idle.values():
+            for child in children:
+                child.close()
+        _idle.clear()
 
 
 def run_json_child(
@@ -294,9 +386,10 @@ def _start(spec: dict[str, Any], env: dict[str, str] | None, timeout_s: float) -
         for k, v in full_env.items()
         if k.startswith("VLLM") and k not in _SET_AT_ENGINE_START
     }
-    key = json.dumps([spec, sorted(run_env.items())], sort_keys=True)
+    env_key = json.dumps(sorted(run_env.items()))
+    key = json.dumps([spec, env_key], sort_keys=True)
     if key not in _runs:
-        _runs[key] = _children.submit(_run_child, spec, full_env, timeout_s)
+        _runs[key] = _children.submit(_run_child, spec, full_env, env_key, timeout_s)
     return _runs[key]
 
 
@@ -335,5 +428,7 @@ def _generate_rounds(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    results = _run(json.loads(sys.stdin.read()))
-    print(_MARKER + json.dumps(results), flush=True)
+    # One spec per line until the parent closes stdin; a failure exits.
+    for spec_line in sys.stdin:
+        results = _run(json.loads(spec_line))
+        print(_MARKER + json.dumps(results), flush=True)
