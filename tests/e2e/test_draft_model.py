@@ -20,6 +20,7 @@ from vllm_neuron_sched.testing.checkpoint import (
     repeat_prompt_ids,
     successor_map,
 )
+from vllm_neuron_sched.testing.in_process import in_process_llm
 from vllm_neuron_sched.testing.oracle import (
     counted_since,
     generate,
@@ -186,17 +187,14 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 def engine(
     request: pytest.FixtureRequest, checkpoints: tuple[str, str]
 ) -> Iterator[tuple[str, Any]]:
-    from vllm import LLM
-
     target, draft = checkpoints
     kwargs, env = ENGINES[request.param]
     speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in env.items():
-            mp.setenv(name, value)
-        llm = LLM(model=target, **ENGINE, **kwargs, speculative_config=speculative)
-    yield request.param, llm
-    llm.llm_engine.engine_core.shutdown()  # the next engine's cores are free
+    # The engine core in this process (its workers spawned at TP > 1).
+    with in_process_llm(
+        target, env, **ENGINE, **kwargs, speculative_config=speculative
+    ) as llm:
+        yield request.param, llm
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from vllm_neuron_sched.testing.checkpoint import (
     repeat_prompt_ids,
     successor_map,
 )
+from vllm_neuron_sched.testing.in_process import in_process_llm
 from vllm_neuron_sched.testing.oracle import (
     assert_logprobs_close,
     counted_since,
@@ -202,15 +203,10 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 def engine(
     request: pytest.FixtureRequest, checkpoint: str
 ) -> Iterator[tuple[str, Any]]:
-    from vllm import LLM
-
     kwargs, env = ENGINES[request.param]
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in env.items():
-            mp.setenv(name, value)
-        llm = LLM(model=checkpoint, **ENGINE, **kwargs)
-    yield request.param, llm
-    llm.llm_engine.engine_core.shutdown()  # the next engine's cores are free
+    # The engine core in this process (its workers spawned at TP > 1).
+    with in_process_llm(checkpoint, env, **ENGINE, **kwargs) as llm:
+        yield request.param, llm
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -35,18 +36,24 @@ def in_process() -> Iterator[None]:
 
 
 @contextmanager
-def in_process_llm(model: str, **engine_kwargs: Any) -> Iterator[Any]:
+def in_process_llm(
+    model: str, start_env: dict[str, str] | None = None, **engine_kwargs: Any
+) -> Iterator[Any]:
     """An ``LLM`` run in this process, shut down (its KV cache freed) when
-    the block ends. vLLM's multiprocessing executor sets this process's
-    torch threads to 1 for good (``set_torch_threads_for_runtime``: its
-    engine core only schedules); restored, or a later engine whose worker
-    runs in this process would run its attention with fewer threads than
-    its metadata was built for (``cpu_attn``: ``thread_num (2 vs. 1)``)."""
+    the block ends. ``start_env``: variables set while it starts (what its
+    workers read then), and only then, so oracle runs asked for later key
+    on this process's own environment.
+
+    vLLM's multiprocessing executor sets this process's torch threads to 1
+    for good (``set_torch_threads_for_runtime``: its engine core only
+    schedules); restored, or a later engine whose worker runs in this
+    process would run its attention with fewer threads than its metadata
+    was built for (``cpu_attn``: ``thread_num (2 vs. 1)``)."""
     import torch
     from vllm import LLM
 
     num_threads = torch.get_num_threads()
-    with in_process():
+    with in_process(), mock.patch.dict(os.environ, start_env or {}):
         llm = LLM(model=model, **engine_kwargs)
     try:
         yield llm

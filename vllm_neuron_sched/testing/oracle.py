@@ -105,6 +105,7 @@ class _Child:
             env=env,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.reusable = True
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -135,7 +136,9 @@ class _Child:
                     + f"\n--- output tail ---\n{text[-6000:]}"
                 )
             if line.startswith(_MARKER):
-                return json.loads(line[len(_MARKER) :])
+                reply = json.loads(line[len(_MARKER) :])
+                self.reusable = reply["reusable"]
+                return reply["results"]
             output.append(line)
 
     def close(self) -> None:
@@ -152,8 +155,8 @@ def _run_child(
     spec: dict[str, Any], env: dict[str, str], env_key: str, timeout_s: float
 ) -> list[dict[str, Any]]:
     """On an idle child of the environment, or a new one; kept afterwards
-    unless it failed (the oldest idle ones beyond ``_MAX_IDLE_CHILDREN``
-    go)."""
+    unless it failed or cannot start another engine (``_reusable``), the
+    oldest idle ones beyond ``_MAX_IDLE_CHILDREN`` closed."""
     with _idle_lock:
         kept = _idle.get(env_key)
         child = kept.pop() if kept else None
@@ -163,6 +166,9 @@ def _run_child(
     except BaseException:
         child.close()
         raise
+    if not child.reusable:
+        child.close()  # it exits by itself
+        return result
     with _idle_lock:
         _idle.setdefault(env_key, []).append(child)
         idle = [(c, key) for key, cs in _idle.items() for c in cs]
@@ -427,8 +433,21 @@ def _generate_rounds(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
+def _reusable() -> bool:
+    """Whether this process can start another vLLM engine. Not once numba
+    is loaded (vLLM's n-gram proposer loads it): an engine's start scans
+    every module for Triton kernels to override (``register_kernels``), and
+    llvmlite's library object answers any attribute, ``__dict__`` too, with
+    a function wrapper, so the scan fails."""
+    return "llvmlite.binding.ffi" not in sys.modules
+
+
 if __name__ == "__main__":
-    # One spec per line until the parent closes stdin; a failure exits.
+    # One spec per line until the parent closes stdin, or until this process
+    # can start no other engine; a failure exits.
     for spec_line in sys.stdin:
         results = _run(json.loads(spec_line))
-        print(_MARKER + json.dumps(results), flush=True)
+        reply = {"results": results, "reusable": _reusable()}
+        print(_MARKER + json.dumps(reply), flush=True)
+        if not reply["reusable"]:
+            break
