@@ -153,10 +153,12 @@ def same_logprobs(a: list[dict[str, float]], b: list[dict[str, float]]) -> bool:
     return True
 
 
-async def run_soak(server: OpenAIServer, num: int, tp: int) -> dict[str, Any]:
-    """Warm-up, then ``num`` requests of the mix, at most ``CONCURRENCY`` at a
-    time; raises AssertionError where the server did not hold (the module
-    docstring), else returns the report. The server needs
+async def run_soak(
+    server: OpenAIServer, num: int, tp: int, seed: int = 1234
+) -> dict[str, Any]:
+    """Warm-up, then ``num`` requests of the mix (``seed``'s), at most
+    ``CONCURRENCY`` at a time; raises AssertionError where the server did
+    not hold (the module docstring), else returns the report. The server needs
     ``VLLM_SERVER_DEV_MODE=1`` (the per-rank state by RPC)."""
     client = server.client(timeout_s=300)
     # Warm-up on the same mix: grammars compiled, allocators at their size.
@@ -165,7 +167,7 @@ async def run_soak(server: OpenAIServer, num: int, tp: int) -> dict[str, Any]:
     rss_warm = server.rss_bytes()
     before = await server.ametrics()
 
-    specs = soak_specs(num, seed=1234)
+    specs = soak_specs(num, seed)
     start = time.monotonic()
     outcomes = await run_all(client, specs, CONCURRENCY)
     duration = time.monotonic() - start
