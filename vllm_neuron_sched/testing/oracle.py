@@ -385,14 +385,15 @@ def start_each_in_subprocess(
 
 def _start(spec: dict[str, Any], env: dict[str, str] | None, timeout_s: float) -> Any:
     """The child for ``spec``, started now or earlier with the same spec and
-    environment."""
+    environment: vLLM's variables, and those the caller sets (a preloaded
+    library, say), which a child keeps for good."""
     full_env = {**os.environ, **(env or {})}
     run_env = {
         k: v
         for k, v in full_env.items()
         if k.startswith("VLLM") and k not in _SET_AT_ENGINE_START
     }
-    env_key = json.dumps(sorted(run_env.items()))
+    env_key = json.dumps([sorted(run_env.items()), sorted((env or {}).items())])
     key = json.dumps([spec, env_key], sort_keys=True)
     if key not in _runs:
         _runs[key] = _children.submit(_run_child, spec, full_env, env_key, timeout_s)
