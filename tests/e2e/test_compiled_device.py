@@ -72,6 +72,7 @@ def test_compiled_serves_stock_tokens_without_compiling(
     # a forward's ids per token count, a prefix-cache hit's tokens, accepted
     # tokens at widths 1 and 1 + K, the drafts; its reads.
     assert before["program_shapes"] == {
+        "compute_logits": 5,  # 1, 2, 4 rows; 1, 2, 4 of 1 + K queries
         "sample_rows": 30,
         "raw_scores": 3,
         "accept_drafts": 18,
@@ -97,8 +98,9 @@ def test_compiled_serves_stock_tokens_without_compiling(
     before.pop("program_calls")
     assert after == before  # nothing compiled while serving
     # Prompts sample in the program (the rules in theirs), verify steps in
-    # rejection sampling's.
+    # rejection sampling's; every step's logits from the LM head's.
     assert calls["sample_rows"] > 0 and calls["accept_drafts"] > 0
+    assert calls["compute_logits"] > 0
     for rule in ("mask_tokens", "mask_bad_words", "mask_min_tokens"):
         assert calls[rule] > 0, calls
     assert calls["penalize_queries"] > 0

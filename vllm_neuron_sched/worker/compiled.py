@@ -257,7 +257,9 @@ def _signature(args: list[Any]) -> str:
     def one(arg: Any) -> str:
         if isinstance(arg, torch.Tensor):
             return f"{str(arg.dtype).removeprefix('torch.')}{list(arg.shape)}"
-        if dataclasses.is_dataclass(arg) and not isinstance(arg, type):
+        if isinstance(arg, torch.nn.Module) or (
+            dataclasses.is_dataclass(arg) and not isinstance(arg, type)
+        ):
             return type(arg).__name__
         return repr(arg)
 

@@ -78,6 +78,7 @@ from vllm_neuron_sched.worker.host_state import (
     StepUpdate,
 )
 from vllm_neuron_sched.worker.kv_cache import KVCache
+from vllm_neuron_sched.worker.lm_head import Head
 from vllm_neuron_sched.worker.lora import Adapters
 from vllm_neuron_sched.worker.observers import RankDigest, StatsLog
 from vllm_neuron_sched.worker.pipeline import (
@@ -392,6 +393,8 @@ class NeuronSchedModelRunner:
             )
         if isinstance(self.ctx.stage, PipelineStage):
             dims = replace(dims, stage=StageShapes.of(self.ctx.stage, self.model))
+        if self.ctx.stage.is_last:
+            dims = replace(dims, heads=self._heads())
         programs = compile_programs(
             dims,
             compile_options(self.vllm_config),
@@ -627,6 +630,16 @@ class NeuronSchedModelRunner:
             "program_graphs": {p.name: p.graphs() for p in compiled},
             "program_calls": {p.name: p.calls for p in compiled},
         }
+
+    def _heads(self) -> tuple[Head, ...]:
+        """The models whose LM head steps run, with their hidden states'
+        shape: the target, then the draft model where there is one."""
+        heads = [Head.of(self.model, self.model_config)]
+        if self.draft is not None:
+            spec_config = self.vllm_config.speculative_config
+            assert spec_config is not None
+            heads.append(Head.of(self.draft.model, spec_config.draft_model_config))
+        return tuple(heads)
 
     def _models(self) -> list[torch.nn.Module]:
         """The target, then the draft model where there is one."""

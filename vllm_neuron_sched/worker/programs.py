@@ -25,6 +25,7 @@ from vllm_neuron_sched.worker.history_rules import (
     penalize_queries,
 )
 from vllm_neuron_sched.worker.layout import rectangle_queries
+from vllm_neuron_sched.worker.lm_head import Head, compute_logits
 from vllm_neuron_sched.worker.logits_rules import (
     add_logit_bias,
     mask_min_tokens,
@@ -91,12 +92,19 @@ class Dimensions:
     bad_words: tuple[int, int] = (1, 1)
     block_sizes: tuple[int, ...] = ()  # the KV cache groups'
     stage: StageShapes | None = None  # None: no pipeline stages
+    # The models whose LM head steps run (none on a stage before the last).
+    heads: tuple[Head, ...] = ()
 
     @property
     def widths(self) -> tuple[int, ...]:
         """Queries per row: 1 in a plain step's sampling, and with
         speculation 1 + K in a verify step whose rows have drafts."""
         return (1, 1 + self.num_drafts) if self.num_drafts else (1,)
+
+    @property
+    def queries(self) -> tuple[int, ...]:
+        """A step's query counts: its rows times each width."""
+        return tuple(sorted({rows * w for rows in self.rows for w in self.widths}))
 
 
 Examples = Callable[[Dimensions], Iterator[tuple[Any, ...]]]
@@ -111,11 +119,14 @@ class Program:
     # table's), written in place: never padded.
     state: int = 0
     # What its other arguments' first dimension is: the step's rows (padded
-    # to a decode bucket) or the forward's tokens (a declared token count).
+    # to a decode bucket), its queries (a decode bucket times a width), or
+    # the forward's tokens (a declared token count).
     along: str = "rows"
 
     def sizes(self, dims: "Dimensions") -> tuple[int, ...]:
-        return dims.tokens if self.along == "tokens" else dims.rows
+        return {"tokens": dims.tokens, "queries": dims.queries}.get(
+            self.along, dims.rows
+        )
 
 
 def _verify_shapes(dims: Dimensions) -> Iterator[tuple[int, int]]:
@@ -377,6 +388,16 @@ def _send_hidden_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
     return _stage_hidden_examples(dims, is_sent=True)
 
 
+def _lm_head_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
+    """Each head at every query count: a plain step's rows, a verify step's
+    rows times its width (a draft model's head runs at rows, but a call
+    takes the smallest declared count that holds it, whichever width made
+    it)."""
+    for head in dims.heads:
+        for queries in dims.queries:
+            yield torch.zeros(queries, head.hidden_size, dtype=head.dtype), head.model
+
+
 def _share_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
     """Every stage, at the decode buckets: a step's sampled tokens."""
     if dims.stage is None:
@@ -386,6 +407,7 @@ def _share_tokens_examples(dims: Dimensions) -> Iterator[tuple[Any, ...]]:
 
 
 PROGRAMS: tuple[Program, ...] = (
+    Program("compute_logits", compute_logits, _lm_head_examples, 0, "queries"),
     Program("sample_rows", sample_rows, _sample_rows_examples),
     Program("raw_scores", raw_scores, _raw_scores_examples),
     Program("accept_drafts", accept_drafts, _accept_drafts_examples),
@@ -417,6 +439,7 @@ class Programs:
     or each compiled per declared shape (``compiled.compile_programs``); and
     the shape a step lays its bad words out at (None: powers of two)."""
 
+    compute_logits: Callable[..., Any] = compute_logits
     sample_rows: Callable[..., Any] = sample_rows
     raw_scores: Callable[..., Any] = raw_scores
     accept_drafts: Callable[..., Any] = accept_drafts

@@ -400,7 +400,9 @@ class TokensStep:
                 )
             if not inputs.has_samples:
                 return None
-            return ctx.model.compute_logits(hidden_states[inputs.logits_indices])
+            return ctx.programs.compute_logits(
+                hidden_states[inputs.logits_indices], ctx.model
+            )
 
     def run_model_on_device(self, ctx: StepContext) -> Any:
         """Hidden states, or a pipeline stage's intermediate tensors; a

@@ -21,6 +21,7 @@ from vllm_neuron_sched.worker.history_rules import (
     penalize_queries,
     plan_bad_words,
 )
+from vllm_neuron_sched.worker.lm_head import Head
 from vllm_neuron_sched.worker.logits_rules import mask_min_tokens
 from vllm_neuron_sched.worker.programs import EAGER, PROGRAMS, Dimensions, Program
 from vllm_neuron_sched.worker.spec.ngram import propose_ngram_drafts
@@ -211,6 +212,20 @@ def test_penalties_are_one_graph_per_decode_bucket_and_width() -> None:
 
 
 # Small engine dimensions: the registry's declared shapes at them.
+HIDDEN_SIZE = 8
+
+
+class _LinearHead(torch.nn.Module):
+    """A model's LM head as the ``compute_logits`` program calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(HIDDEN_SIZE, VOCAB, bias=False)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+
 DIMS = Dimensions(
     rows=(1, 2, 4),
     num_drafts=K,
@@ -224,6 +239,7 @@ DIMS = Dimensions(
     max_model_len=40,
     bad_words=BAD_WORDS_SHAPE,
     block_sizes=(16, 32),  # two KV cache groups
+    heads=(Head(_LinearHead(), HIDDEN_SIZE, torch.float32),),
 )
 EAGER_BACKEND = {"fullgraph": True, "dynamic": False, "backend": "eager"}
 

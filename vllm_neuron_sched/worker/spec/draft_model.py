@@ -182,4 +182,5 @@ class DraftModel:
             *sequences.attention(self.groups),
             ids.numel(),
         )
-        return self.model.compute_logits(hidden_states[select]).argmax(dim=-1)
+        logits = self.programs.compute_logits(hidden_states[select], self.model)
+        return logits.argmax(dim=-1)

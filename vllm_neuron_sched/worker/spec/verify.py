@@ -346,7 +346,7 @@ def _verify_forward_on_device(
         )
         num_real = plan.num_rows * plan.width
         return VerifyForward(
-            ctx.model.compute_logits(hidden_states[:num_real]),
+            ctx.programs.compute_logits(hidden_states[:num_real], ctx.model),
             inputs.num_drafts,
             inputs.starts,
             inputs.drafts,
