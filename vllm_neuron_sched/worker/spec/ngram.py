@@ -55,9 +55,12 @@ def propose_ngram_drafts(
             tokens[:, : max_len - m] == suffix_token, (m, 0), value=False
         )
         is_match = is_match & shifted
-        # argmax returns the first maximum: the earliest end, if any matches.
-        first_end = is_match.to(torch.uint8).argmax(dim=1)
-        has_match = is_match.gather(1, first_end[:, None]).squeeze(1)
+        # The earliest matching end (max_len where none matches): a min over
+        # the ends, where an argmax over the booleans as bytes had inductor's
+        # CPU kernel fail its own bounds check (an end past the row) on the
+        # real model.
+        first_end = torch.where(is_match, ends[None, :], max_len).amin(dim=1)
+        has_match = first_end < max_len
         # Matches are nested (length n implies n - 1), so the last n wins.
         best_n = torch.where(has_match, n, best_n)
         best_end = torch.where(has_match, first_end, best_end)
