@@ -147,7 +147,7 @@ class _Child:
         self.proc.wait()
 
 
-_idle: dict[str, list[_Child]] = {}  # environment key -> children, oldest first
+_idle: dict[str, list[_Child]] = {}  # environment key -> its idle children
 _idle_lock = threading.Lock()
 
 
@@ -155,8 +155,9 @@ def _run_child(
     spec: dict[str, Any], env: dict[str, str], env_key: str, timeout_s: float
 ) -> list[dict[str, Any]]:
     """On an idle child of the environment, or a new one; kept afterwards
-    unless it failed or cannot start another engine (``_reusable``), the
-    oldest idle ones beyond ``_MAX_IDLE_CHILDREN`` closed."""
+    unless it failed or cannot start another engine (``_reusable``). Beyond
+    ``_MAX_IDLE_CHILDREN`` idle ones, those of the environments first seen
+    are closed."""
     with _idle_lock:
         kept = _idle.get(env_key)
         child = kept.pop() if kept else None
