@@ -130,11 +130,8 @@ class _Child:
                 raise TimeoutError(f"oracle child took over {timeout_s} s") from None
             if line is None:
                 text = "".join(output)
-                raise RuntimeError(
-                    f"oracle child failed (rc {self.proc.wait()}):\n"
-                    + error_lines(text)
-                    + f"\n--- output tail ---\n{text[-6000:]}"
-                )
+                rc = self.proc.wait()
+                raise _child_failed("oracle child", rc, text, "output", text)
             if line.startswith(_MARKER):
                 reply = json.loads(line[len(_MARKER) :])
                 self.reusable = reply["reusable"]
@@ -209,10 +206,20 @@ def run_json_child(
     for line in proc.stdout.splitlines():
         if line.startswith(marker):
             return json.loads(line[len(marker) :])
-    raise RuntimeError(
-        f"{' '.join(argv)} failed (rc {proc.returncode}):\n"
-        + error_lines(proc.stdout + proc.stderr)
-        + f"\n--- stderr tail ---\n{proc.stderr[-6000:]}"
+    output = proc.stdout + proc.stderr
+    what = " ".join(argv)
+    raise _child_failed(what, proc.returncode, output, "stderr", proc.stderr)
+
+
+def _child_failed(
+    what: str, returncode: int, output: str, tail_name: str, tail: str
+) -> RuntimeError:
+    """A child's failure: the error lines of its output, then ``tail``'s
+    last characters."""
+    return RuntimeError(
+        f"{what} failed (rc {returncode}):\n"
+        + error_lines(output)
+        + f"\n--- {tail_name} tail ---\n{tail[-6000:]}"
     )
 
 
