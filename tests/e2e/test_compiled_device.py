@@ -6,6 +6,7 @@ run on dynamo's ``eager`` backend here (seconds to compile on 2 cores); the
 benchmark's runs use inductor, vLLM's default."""
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -28,6 +29,16 @@ COMPILED = {
     **{k: v for k, v in SMALL_ENGINE.items() if k != "enforce_eager"},
     "compilation_config": {"mode": 1, "backend": "eager"},
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stock(checkpoint_dir: str) -> Future[list[dict[str, Any]]]:
+    """Started with the module, before the compiled engine sets its device
+    variable: stock's child runs while the engine compiles, in the child
+    other modules' stock runs share."""
+    return start_in_subprocess(
+        checkpoint_dir, mixed_prompts(), _params(), SMALL_ENGINE, STOCK_ENV
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +64,8 @@ def _params() -> list[dict[str, Any]]:
 
 
 def test_compiled_serves_stock_tokens_without_compiling(
-    checkpoint_dir: str, compiled_llm: Any
+    compiled_llm: Any, stock: Future[list[dict[str, Any]]]
 ) -> None:
-    stock = start_in_subprocess(
-        checkpoint_dir, mixed_prompts(), _params(), SMALL_ENGINE, STOCK_ENV
-    )
     (before,) = compiled_llm.collective_rpc("get_compiled_shapes")
     declared = before["declared"]
     # decode rows of 1 and 1 + K queries, prefill shapes, token buckets

@@ -61,7 +61,7 @@ def deep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_checkpoint(path, CheckpointSpec(layers=4)))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def stock_runs(
     checkpoint_dir: str, deep_checkpoint: str
 ) -> dict[int, Future[list[dict[str, Any]]]]:
@@ -82,15 +82,18 @@ def engine(
     request: pytest.FixtureRequest,
     checkpoint_dir: str,
     deep_checkpoint: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[Any, int, tuple[int, int, bool]]]:
     pp, tp, is_async = request.param
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", thread_binding(pp * tp))
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     layers = 4 if pp == 4 else 2
     model = deep_checkpoint if layers == 4 else checkpoint_dir
+    # The workers read both when they start.
+    start_env = {
+        "VLLM_CPU_OMP_THREADS_BIND": thread_binding(pp * tp),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
     with in_process_llm(
         model,
+        start_env,
         **SMALL_ENGINE,
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
